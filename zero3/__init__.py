@@ -1,0 +1,26 @@
+"""zero3: a ZeRO stage 3 training engine for PyTorch with DeepSpeed's config and engine API.
+
+    import zero3 as deepspeed
+    from zero3.accelerator import get_accelerator
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from . import zero
+from .api import init_distributed, initialize
+from .checkpoint import CheckpointError
+from .config import ConfigError
+from .engine import Engine, EngineError
+from .gathered import GatheredParameters, register_external_parameter
+from .units import set_z3_leaf_modules
+from .zero import Init
+
+DeepSpeedEngine = Engine
+
+__all__ = [
+    "CheckpointError", "ConfigError", "DeepSpeedEngine", "Engine", "EngineError",
+    "GatheredParameters", "Init", "init_distributed", "initialize",
+    "register_external_parameter", "set_z3_leaf_modules", "zero",
+]

@@ -1,0 +1,1405 @@
+"""DeepSpeed's JSON config, parsed and validated into typed, frozen dataclasses.
+
+``from_deepspeed(config, world_size)`` takes a DeepSpeed config (a dict, a path to a JSON
+file, or a base64-encoded JSON string, as DeepSpeed accepts) and returns a ``Zero3Config``.
+
+Every key DeepSpeed 0.19.8 reads is known here. Each key has one rule in a table:
+
+* ``_Map``: the key is mapped to a field (through a converter that checks its type and range);
+* ``_Only``: the key is accepted only with the listed values (DeepSpeed's default, or a value
+  whose meaning zero3 always satisfies); any other value is refused, saying why and what to do;
+* ``_Refuse``: zero3 does not support the key at all.
+
+A key that is in no table is an error that suggests the nearest known key. Nothing is
+silently ignored. ``docs/config.md`` lists every key with its rule.
+
+``"auto"`` values: where DeepSpeed validates a section with its pydantic models (non-strict),
+a literal ``"auto"`` is dropped and the DeepSpeed default applies; zero3 does the same in
+those sections (``zero_optimization``, ``offload_*``, ``leaf_module``, ``bf16``, ``fp16``,
+``timers.throughput``, the monitor blocks). Everywhere else DeepSpeed would use the string
+itself and fail, so zero3 refuses it and asks for a concrete value.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import copy
+import difflib
+import json
+import math
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, NoReturn, Union
+
+import torch
+
+__all__ = [
+    "ConfigError",
+    "OffloadConfig",
+    "LeafModuleConfig",
+    "ZeroConfig",
+    "PrecisionConfig",
+    "ComponentSpec",
+    "Zero3Config",
+    "from_deepspeed",
+    "describe_keys",
+    "DEEPSPEED_TOP_LEVEL_KEYS",
+    "DEEPSPEED_ZERO_KEYS",
+    "DEEPSPEED_OFFLOAD_PARAM_KEYS",
+    "DEEPSPEED_OFFLOAD_OPTIMIZER_KEYS",
+    "DEEPSPEED_BF16_KEYS",
+    "DEEPSPEED_FP16_KEYS",
+    "SUPPORTED_OPTIMIZERS",
+    "SUPPORTED_SCHEDULERS",
+]
+
+
+class ConfigError(ValueError):
+    """A config key zero3 cannot accept. The message names the key, the value seen and the fix."""
+
+
+# --------------------------------------------------------------------------------------
+# The keys DeepSpeed 0.19.8 accepts, read from its source (deepspeed/runtime/config.py,
+# constants.py, zero/config.py, zero/offload_config.py, precision_config.py and the config
+# modules those import). Pydantic sections accept each field name and its alias.
+# --------------------------------------------------------------------------------------
+
+DEEPSPEED_TOP_LEVEL_KEYS: tuple[str, ...] = (
+    # batch
+    "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+    "managed_gradient_accumulation",
+    # optimizer / scheduler
+    "optimizer", "scheduler", "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer",
+    # precision and gradients
+    "bf16", "bfloat16", "fp16", "torch_autocast", "gradient_clipping", "communication_data_type",
+    "seq_parallel_communication_data_type", "prescale_gradients", "gradient_predivide_factor",
+    "gradient_allreduce_op", "data_types",
+    # ZeRO
+    "zero_optimization",
+    # logging
+    "steps_per_print", "wall_clock_breakdown", "memory_breakdown", "dump_state", "log_level",
+    "vocabulary_size", "timers",
+    # misc runtime
+    "disable_allgather", "disable_python_gc", "dataloader_drop_last", "checkpoint",
+    "activation_checkpointing", "aio", "use_data_before_expert_parallelism",
+    "sequence_parallel_size",
+    # feature blocks
+    "tensorboard", "wandb", "csv_monitor", "comet", "comms_logger", "flops_profiler", "autotuning",
+    "hybrid_engine", "pipeline", "data_efficiency", "datastates_ckpt", "weight_quantization",
+    "compile", "tensor_parallel", "expert_parallel",
+    # keys DeepSpeed 0.19.8 itself refuses (features removed from DeepSpeed)
+    "nebula", "compression_training", "amp", "quantize_training", "sparse_gradients", "eigenvalue",
+    "sparse_attention", "elasticity", "graph_harvesting", "curriculum_learning",
+    "progressive_layer_drop",
+)
+
+DEEPSPEED_ZERO_KEYS: tuple[str, ...] = (
+    "stage", "contiguous_gradients", "reduce_scatter", "reduce_bucket_size",
+    "use_multi_rank_bucket_allreduce", "allgather_partitions", "allgather_bucket_size",
+    "overlap_comm", "compute_grad_norm", "load_from_fp32_weights", "elastic_checkpoint",
+    "offload_param", "offload_optimizer", "zenflow", "sub_group_size",
+    "cpu_offload_param", "cpu_offload_use_pin_memory", "cpu_offload",
+    "prefetch_bucket_size", "stage3_prefetch_bucket_size",
+    "param_persistence_threshold", "stage3_param_persistence_threshold",
+    "model_persistence_threshold", "stage3_model_persistence_threshold",
+    "max_live_parameters", "stage3_max_live_parameters",
+    "max_reuse_distance", "stage3_max_reuse_distance",
+    "gather_16bit_weights_on_model_save", "stage3_gather_16bit_weights_on_model_save",
+    "stage3_gather_fp16_weights_on_model_save",
+    "module_granularity_threshold", "stage3_module_granularity_threshold",
+    "use_all_reduce_for_fetch_params", "stage3_use_all_reduce_for_fetch_params",
+    "allgather_sequential", "stage3_allgather_sequential",
+    "ignore_unused_parameters", "legacy_stage1", "round_robin_gradients", "parameter_alignment",
+    "zero_hpz_partition_size", "zero_quantized_weights", "zero_quantized_nontrainable_weights",
+    "zero_quantized_gradients", "memory_efficient_linear", "pipeline_loading_checkpoint",
+    "override_module_apply", "log_trace_cache_warnings", "enable_sanity_checks",
+    "save_muon_momentum_buffer_in_memory", "leaf_module",
+    # keys DeepSpeed 0.19.8 itself refuses (removed features)
+    "mics_shard_size", "mics_hierarchical_params_gather", "zeropp_loco_param",
+)
+
+DEEPSPEED_OFFLOAD_PARAM_KEYS: tuple[str, ...] = (
+    "device", "nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "pin_memory",
+)
+
+DEEPSPEED_OFFLOAD_OPTIMIZER_KEYS: tuple[str, ...] = (
+    "device", "nvme_path", "buffer_count", "pin_memory", "pipeline_read", "pipeline_write",
+    "fast_init", "ratio", "super_offload", "cpuadam_cores_perc",
+)
+
+DEEPSPEED_BF16_KEYS: tuple[str, ...] = (
+    "enabled", "immediate_grad_update", "check_grad_overflow", "bf16_master_weights_and_grads",
+    "bf16_optimizer_states",
+)
+
+DEEPSPEED_FP16_KEYS: tuple[str, ...] = (
+    "enabled", "auto_cast", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
+    "consecutive_hysteresis", "min_loss_scale", "fp16_master_weights_and_grads",
+)
+
+# DeepSpeed's default ZeRO-3 leaf module classes (zero/leaf_module_config.py).
+_DEFAULT_LEAF_CLASSES: tuple[str, ...] = (
+    "transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",
+    "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock",
+    "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock",
+)
+
+#: DeepSpeed's default gradient_clipping (deepspeed/runtime/constants.py, 0.19.8): 1.0.
+GRADIENT_CLIPPING_DEFAULT = 1.0
+
+
+# --------------------------------------------------------------------------------------
+# The typed result
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """Where a state lives between uses: ``"none"`` (the device) or ``"cpu"``."""
+
+    device: str = "none"
+    pin_memory: bool = False  # from_deepspeed fills DeepSpeed's default (True) when a section is given
+
+    @property
+    def enabled(self) -> bool:
+        """True when the state is offloaded to CPU memory."""
+        return self.device == "cpu"
+
+
+@dataclass(frozen=True)
+class LeafModuleConfig:
+    """Modules gathered and released as one fetch unit (DeepSpeed's ZeRO-3 leaf modules).
+
+    ``classes`` match a module's class name or its fully qualified ``module.ClassName``;
+    ``names`` match ``model.named_modules()`` names; ``name_suffixes`` match name endings.
+    """
+
+    classes: tuple[str, ...] = _DEFAULT_LEAF_CLASSES
+    names: tuple[str, ...] = ()
+    name_suffixes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ZeroConfig:
+    """The ``zero_optimization`` section."""
+
+    stage: int = 3
+    param_persistence_threshold: int = 100_000
+    prefetch_bucket_size: int = 50_000_000
+    max_live_parameters: int = 1_000_000_000
+    max_reuse_distance: int = 1_000_000_000
+    reduce_bucket_size: int = 500_000_000
+    model_persistence_threshold: int = sys.maxsize
+    module_granularity_threshold: int = 0
+    gather_16bit_weights_on_model_save: bool = False
+    overlap_comm: bool = True
+    offload_param: OffloadConfig = OffloadConfig()
+    offload_optimizer: OffloadConfig = OffloadConfig()
+    sub_group_size: int = 1_000_000_000
+    leaf_module: LeafModuleConfig = LeafModuleConfig()
+    override_module_apply: bool = True
+    log_trace_cache_warnings: bool = False
+    enable_sanity_checks: bool = False
+
+
+@dataclass(frozen=True)
+class PrecisionConfig:
+    """``bf16`` / ``fp16`` sections, ``communication_data_type`` and ``data_types``."""
+
+    dtype: torch.dtype = torch.float32
+    loss_scale: float = 0.0
+    initial_scale_power: int = 16
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    consecutive_hysteresis: bool = False
+    min_loss_scale: float = 1.0
+    communication_data_type: torch.dtype | None = None
+    auto_cast: bool = False
+    check_grad_overflow: bool = False
+
+    @property
+    def fp16(self) -> bool:
+        """True when training in float16 (loss scaling applies)."""
+        return self.dtype == torch.float16
+
+    @property
+    def bf16(self) -> bool:
+        """True when training in bfloat16."""
+        return self.dtype == torch.bfloat16
+
+    @property
+    def dynamic_loss_scale(self) -> bool:
+        """True for fp16 with ``loss_scale`` 0 (DeepSpeed's dynamic loss scaling)."""
+        return self.fp16 and self.loss_scale == 0
+
+    @property
+    def initial_loss_scale(self) -> float:
+        """The first loss scale: ``2**initial_scale_power`` if dynamic, else ``loss_scale``."""
+        if not self.fp16:
+            return 1.0
+        return float(2**self.initial_scale_power) if self.loss_scale == 0 else self.loss_scale
+
+    @property
+    def reduce_dtype(self) -> torch.dtype:
+        """The dtype gradients are reduced in: ``communication_data_type`` or, as DeepSpeed
+        does when it is absent, the compute dtype."""
+        return self.communication_data_type or self.dtype
+
+
+@dataclass(frozen=True)
+class ComponentSpec:
+    """The ``optimizer`` or ``scheduler`` section.
+
+    ``type`` is the canonical name (``"Adam"``, ``"AdamW"``, ``"SGD"``, ``"WarmupLR"``, ...),
+    ``params`` the params as given. ``resolved`` is what to build: for optimizers the
+    ``torch.optim`` class name with DeepSpeed's semantics applied (``Adam`` with
+    ``adam_w_mode`` true, DeepSpeed's default, is ``AdamW``); for schedulers the DeepSpeed
+    schedule. ``kwargs`` are the constructor keyword arguments: DeepSpeed-only params
+    removed for optimizers, DeepSpeed's defaults filled in for schedulers.
+    """
+
+    type: str
+    params: dict
+    resolved: str = ""
+    kwargs: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Zero3Config:
+    """A validated DeepSpeed config."""
+
+    train_batch_size: int
+    train_micro_batch_size_per_gpu: int
+    gradient_accumulation_steps: int
+    gradient_clipping: float
+    zero: ZeroConfig
+    precision: PrecisionConfig
+    optimizer: ComponentSpec | None
+    scheduler: ComponentSpec | None
+    steps_per_print: int | None
+    wall_clock_breakdown: bool
+    zero_allow_untested_optimizer: bool
+    prescale_gradients: bool
+    gradient_predivide_factor: float
+    world_size: int
+    memory_breakdown: bool
+    dump_state: bool
+    disable_python_gc: bool
+    dataloader_drop_last: bool
+    log_level: str | None
+    vocabulary_size: int | None
+    checkpoint_tag_validation: str
+    throughput_timer_enabled: bool
+    throughput_timer_synchronized: bool
+    raw: dict
+
+
+# --------------------------------------------------------------------------------------
+# Rules
+# --------------------------------------------------------------------------------------
+
+Converter = Callable[[str, Any], Any]
+
+
+@dataclass(frozen=True)
+class _Map:
+    """The key sets ``field`` to ``convert(key, value)``."""
+
+    field: str
+    convert: Converter
+    doc: str
+
+
+@dataclass(frozen=True)
+class _Only:
+    """The key is accepted only while ``accepts(value)``; other values are refused."""
+
+    accepts: Callable[[Any], bool]
+    shown: str  # the accepted values, in words
+    why: str  # why those are accepted (and others are not)
+    fix: str  # what to do instead of another value
+
+
+@dataclass(frozen=True)
+class _Refuse:
+    """zero3 does not support the key."""
+
+    why: str
+    fix: str
+
+
+_Rule = Union[_Map, _Only, _Refuse]
+
+
+@dataclass(frozen=True)
+class _Section:
+    """One JSON object of the config and the rules for its keys."""
+
+    name: str  # dotted path, "" for the top level
+    rules: Mapping[str, _Rule]
+    auto_is_default: bool  # DeepSpeed drops "auto" here (pydantic, non-strict)
+
+
+def _fail(key: str, value: Any, problem: str, fix: str) -> NoReturn:
+    """Raise the one error format: key, what is wrong, the value seen, the fix."""
+    raise ConfigError(f"{key}: {problem} (got {_show(value)}). {fix}")
+
+
+def _show(value: Any) -> str:
+    """A short JSON-ish rendering of a config value for messages."""
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+def _join(prefix: str, key: str) -> str:
+    return f"{prefix}.{key}" if prefix else key
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equality that keeps booleans apart from numbers (``True != 1`` here)."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a is b
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return a == b
+
+
+def _unknown(key: str, name: str, value: Any, section: _Section) -> NoReturn:
+    """Raise for a key no table knows, suggesting the nearest known one."""
+    known = list(section.rules)
+    near = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    if near:
+        hint = f"Did you mean '{_join(section.name, near[0])}'?"
+    else:
+        nearest = difflib.get_close_matches(name, known, n=1, cutoff=0.0)
+        hint = f"The closest known key is '{_join(section.name, nearest[0])}'." if nearest else ""
+    _fail(key, value, "unknown key", f"{hint} Every key zero3 knows is listed in docs/config.md.")
+
+
+def _parse_section(section: _Section, raw: Any) -> dict[str, Any]:
+    """Apply ``section.rules`` to the JSON object ``raw``; return the mapped field values."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        _fail(section.name or "config", raw, "expected a JSON object", "Write this section as {...}.")
+    values: dict[str, Any] = {}
+    set_by: dict[str, str] = {}
+    for name, value in raw.items():
+        key = _join(section.name, str(name))
+        rule = section.rules.get(name)
+        if rule is None:
+            _unknown(key, str(name), value, section)
+        if isinstance(value, str) and value == "auto":
+            if section.auto_is_default:
+                continue  # DeepSpeed drops "auto" here: its default applies
+            _fail(key, value, "'auto' is a placeholder that the Hugging Face Trainer fills in; "
+                  "DeepSpeed itself would use the string as is", "zero3 needs a concrete value: "
+                  "write the number (or true/false) here.")
+        if isinstance(rule, _Refuse):
+            _fail(key, value, f"zero3 does not support this key: {rule.why}", rule.fix)
+        if isinstance(rule, _Only):
+            if not rule.accepts(value):
+                _fail(key, value, f"zero3 accepts only {rule.shown} here: {rule.why}", rule.fix)
+            continue
+        if rule.field in set_by:
+            _fail(key, value, f"sets the same option as '{set_by[rule.field]}'",
+                  "Keep only one of the two spellings.")
+        values[rule.field] = rule.convert(key, value)
+        set_by[rule.field] = key
+    return values
+
+
+# --------------------------------------------------------------------------------------
+# Converters and predicates
+# --------------------------------------------------------------------------------------
+
+
+def _to_int(key: str, value: Any, minimum: int | None) -> int:
+    """An integer, or an integral float such as 5e7 (DeepSpeed's pydantic accepts those)."""
+    bound = f" >= {minimum}" if minimum is not None else ""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        _fail(key, value, "expected an integer", f"Write a whole number{bound}, e.g. 5e7 or 50000000.")
+    if isinstance(value, float):
+        if not math.isfinite(value) or value != int(value):
+            _fail(key, value, "expected a whole number", f"Write a whole number{bound}.")
+        value = int(value)
+    if minimum is not None and value < minimum:
+        _fail(key, value, f"must be >= {minimum}", f"Write a whole number{bound}.")
+    return value
+
+
+def _int(minimum: int | None = 0) -> Converter:
+    """Converter: an integer (integral floats accepted) at least ``minimum``."""
+    return lambda key, value: _to_int(key, value, minimum)
+
+
+def _int_or_none(minimum: int = 0) -> Converter:
+    """Converter: ``null`` or an integer at least ``minimum``."""
+    return lambda key, value: None if value is None else _to_int(key, value, minimum)
+
+
+def _float(minimum: float = 0.0, strict: bool = False) -> Converter:
+    """Converter: a finite number at least (or, if ``strict``, above) ``minimum``."""
+    def convert(key: str, value: Any) -> float:
+        relation = ">" if strict else ">="
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            _fail(key, value, "expected a finite number", f"Write a number {relation} {minimum}.")
+        if value < minimum or (strict and value == minimum):
+            _fail(key, value, f"must be {relation} {minimum}", f"Write a number {relation} {minimum}.")
+        return float(value)
+    return convert
+
+
+def _bool(key: str, value: Any) -> bool:
+    """Converter: JSON true / false."""
+    if not isinstance(value, bool):
+        _fail(key, value, "expected true or false", "Write true or false (JSON booleans, unquoted).")
+    return value
+
+
+def _bool_or_none(default: bool) -> Converter:
+    """Converter: true / false, or null for DeepSpeed's default."""
+    return lambda key, value: default if value is None else _bool(key, value)
+
+
+def _choice(options: Mapping[str, Any], fold: Callable[[str], str] = str.lower) -> Converter:
+    """Converter: one of ``options`` (compared after ``fold``), mapped to its value."""
+    def convert(key: str, value: Any) -> Any:
+        if isinstance(value, str) and fold(value) in options:
+            return options[fold(value)]
+        _fail(key, value, "not a valid choice", f"Use one of: {', '.join(sorted(options))}.")
+    return convert
+
+
+def _is(*accepted: Any) -> Callable[[Any], bool]:
+    """Predicate: the value is one of ``accepted`` (booleans kept apart from numbers)."""
+    return lambda value: any(_same(value, a) for a in accepted)
+
+
+def _is_bool(value: Any) -> bool:
+    return isinstance(value, bool)
+
+
+def _disabled(flag: str = "enabled") -> Callable[[Any], bool]:
+    """Predicate: a feature block that is off (absent/null, or its ``flag`` false or missing)."""
+    def accepts(value: Any) -> bool:
+        if value is None:
+            return True
+        return isinstance(value, dict) and value.get(flag, False) in (False, None)
+    return accepts
+
+
+def _defaults_only(defaults: Mapping[str, Any]) -> Callable[[Any], bool]:
+    """Predicate: null, or an object whose every key is known and holds DeepSpeed's default."""
+    def accepts(value: Any) -> bool:
+        if value is None:
+            return True
+        return isinstance(value, dict) and all(k in defaults and _same(v, defaults[k]) for k, v in value.items())
+    return accepts
+
+
+def _shown_defaults(defaults: Mapping[str, Any]) -> str:
+    return "DeepSpeed's defaults (" + ", ".join(f"{k}: {_show(v)}" for k, v in defaults.items()) + ")"
+
+
+_DTYPE_SPELLINGS: dict[str, torch.dtype] = {  # DeepSpeed's DtypeEnum spellings
+    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16, "torch.float16": torch.float16,
+    "fp32": torch.float32, "float32": torch.float32, "float": torch.float32, "torch.float32": torch.float32,
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "torch.bfloat16": torch.bfloat16,
+}
+_FP32_SPELLINGS = tuple(k for k, v in _DTYPE_SPELLINGS.items() if v == torch.float32)
+
+
+def _comm_dtype(key: str, value: Any) -> torch.dtype | None:
+    """Converter for ``communication_data_type``: null, "fp32", "fp16" or "bf16" (any case)."""
+    if value is None:
+        return None
+    return _choice({"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16})(key, value)
+
+
+def _dtype_name(key: str, value: Any) -> torch.dtype | None:
+    """Converter: null or one of DeepSpeed's dtype spellings ("bf16", "torch.float16", ...)."""
+    if value is None:
+        return None
+    return _choice(_DTYPE_SPELLINGS)(key, value)
+
+
+def _str_list(key: str, value: Any) -> tuple[str, ...]:
+    """Converter: a string or a list of strings, deduplicated in order (as DeepSpeed does)."""
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        _fail(key, value, "expected a list of strings", 'Write e.g. ["model.layers.0.mlp"].')
+    return tuple(dict.fromkeys(value))
+
+
+# --------------------------------------------------------------------------------------
+# Shared reasons
+# --------------------------------------------------------------------------------------
+
+_STAGE12 = ("DeepSpeed uses it only in ZeRO stage 1/2 and ignores it at stage 3; zero3 implements "
+            "stage 3 only, so other values would have no effect")
+_REMOVE = "Remove the key."
+_NVME = "NVMe offload is not supported by zero3"
+_REMOVED_UPSTREAM = ("DeepSpeed 0.19.8 itself removed this feature and refuses the key "
+                     "(https://github.com/deepspeedai/DeepSpeed/issues/8489)")
+
+
+def _stage12_only(default: Any) -> _Only:
+    return _Only(_is(default), _show(default) + " (DeepSpeed's default)", _STAGE12, _REMOVE)
+
+
+def _off(default: Any, why: str, fix: str = _REMOVE) -> _Only:
+    return _Only(_is(default), _show(default) + " (DeepSpeed's default)", why, fix)
+
+
+def _feature_block(what: str, fix: str, flag: str = "enabled") -> _Only:
+    return _Only(_disabled(flag), f"a disabled block ({flag}: false, or no {flag} key)",
+                 f"zero3 does not implement {what}", fix)
+
+
+# --------------------------------------------------------------------------------------
+# zero_optimization
+# --------------------------------------------------------------------------------------
+
+
+def _stage(key: str, value: Any) -> int:
+    """Converter for ``stage``: only 3."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        _fail(key, value, "expected the number 3", 'Write "stage": 3 (a number, unquoted).')
+    stage = value
+    if stage != 3:
+        _fail(key, value, "zero3 implements stage 3 only",
+              'Set "stage": 3 (parameters, gradients and optimizer states partitioned), or use '
+              "DeepSpeed or torch DDP/FSDP for stages 0-2.")
+    return 3
+
+
+def _overlap_comm(key: str, value: Any) -> bool:
+    """Converter for ``overlap_comm``: null means DeepSpeed's stage 3 default, true."""
+    return True if value is None else _bool(key, value)
+
+
+def _offload_device(key: str, value: Any) -> str:
+    """Converter for ``offload_*.device``: "none" or "cpu"; "nvme" is refused."""
+    if value == "nvme":
+        _fail(key, value, "not supported; use cpu",
+              'Set "device": "cpu" (or "none"); zero3 offloads to CPU memory only.')
+    if value is None:
+        return "none"
+    if value not in ("none", "cpu"):
+        _fail(key, value, "not a valid offload device", 'Use "none" or "cpu".')
+    return value
+
+
+_OFFLOAD_COMMON: dict[str, _Rule] = {
+    "device": _Map("device", _offload_device, '"none" or "cpu": where the shards live between uses; '
+                   '"nvme" is refused'),
+    "pin_memory": _Map("pin_memory", _bool, "page-locked CPU buffers for asynchronous copies "
+                       "(DeepSpeed's default: true)"),
+    "nvme_path": _off(None, f"{_NVME}; the path is used only with device nvme", "Remove the key "
+                      'and use "device": "cpu".'),
+}
+
+_OFFLOAD_PARAM_RULES: dict[str, _Rule] = {
+    **_OFFLOAD_COMMON,
+    "buffer_count": _off(5, f"{_NVME}; DeepSpeed uses buffer_count only with device nvme"),
+    "buffer_size": _off(100_000_000, f"{_NVME}; DeepSpeed uses buffer_size only with device nvme"),
+    "max_in_cpu": _off(1_000_000_000, f"{_NVME}; DeepSpeed uses max_in_cpu only with device nvme"),
+}
+
+_OFFLOAD_OPTIMIZER_RULES: dict[str, _Rule] = {
+    **_OFFLOAD_COMMON,
+    "buffer_count": _off(4, f"{_NVME}; DeepSpeed uses buffer_count only with device nvme"),
+    "pipeline_read": _off(False, f"{_NVME}; pipelined reads are an NVMe feature"),
+    "pipeline_write": _off(False, f"{_NVME}; pipelined writes are an NVMe feature"),
+    "fast_init": _off(False, f"{_NVME}; fast_init applies to NVMe optimizer state"),
+    "ratio": _off(1.0, "zero3 offloads all optimizer state or none (no partial offload)",
+                  'Remove the key, or set offload_optimizer.device to "none".'),
+    "super_offload": _off(False, "SuperOffload (Superchip CPU offload) is not implemented"),
+    "cpuadam_cores_perc": _off(0.8, "zero3 has no DeepSpeed CPU Adam; the key applies only "
+                               "with super_offload"),
+}
+
+
+def _offload(rules: Mapping[str, _Rule]) -> Converter:
+    """Converter for an ``offload_param`` / ``offload_optimizer`` section."""
+    def convert(key: str, value: Any) -> OffloadConfig:
+        if value is None:
+            return OffloadConfig()
+        values = _parse_section(_Section(key, rules, auto_is_default=True), value)
+        values.setdefault("device", "none")
+        values.setdefault("pin_memory", True)  # DeepSpeed 0.19.8's default when offloading
+        return OffloadConfig(**values)
+    return convert
+
+
+_LEAF_RULES: dict[str, _Rule] = {
+    "classes": _Map("classes", _str_list, "class names or fully qualified class names"),
+    "names": _Map("names", _str_list, "module names as in model.named_modules()"),
+    "name_suffixes": _Map("name_suffixes", _str_list, "endings of module names"),
+}
+
+
+def _leaf_module(key: str, value: Any) -> LeafModuleConfig:
+    """Converter for ``leaf_module``."""
+    if value is None:
+        return LeafModuleConfig()
+    return LeafModuleConfig(**_parse_section(_Section(key, _LEAF_RULES, auto_is_default=True), value))
+
+
+def _deprecated_flag(new: str) -> _Only:
+    return _Only(_is(None, False), "false or null", "a deprecated DeepSpeed flag",
+                 f'Use "{new}": {{"device": "cpu"}} instead.')
+
+
+_ZERO_RULES: dict[str, _Rule] = {
+    "stage": _Map("stage", _stage, "must be 3 (absent means 3 in zero3; DeepSpeed's default is 0)"),
+    "stage3_param_persistence_threshold": _Map(
+        "param_persistence_threshold", _int(0),
+        "parameters with at most this many elements stay gathered between steps"),
+    "stage3_prefetch_bucket_size": _Map(
+        "prefetch_bucket_size", _int(0),
+        "at most this many elements are gathered ahead of use (0: no prefetch)"),
+    "stage3_max_live_parameters": _Map(
+        "max_live_parameters", _int(0), "bound on gathered (non-persistent) elements per rank"),
+    "stage3_max_reuse_distance": _Map(
+        "max_reuse_distance", _int(0),
+        "a parameter reused within this many elements is kept gathered (0: always release)"),
+    "stage3_model_persistence_threshold": _Map(
+        "model_persistence_threshold", _int(0), "bound on the total elements kept persistent"),
+    "stage3_module_granularity_threshold": _Map(
+        "module_granularity_threshold", _int(0),
+        "modules finer than this (params / (1 + descendants)) are fetched as one unit"),
+    "stage3_gather_16bit_weights_on_model_save": _Map(
+        "gather_16bit_weights_on_model_save", _bool,
+        "save_16bit_model() gathers and writes the full 16-bit weights"),
+    "stage3_gather_fp16_weights_on_model_save": _Map(
+        "gather_16bit_weights_on_model_save", _bool,
+        "deprecated DeepSpeed alias of stage3_gather_16bit_weights_on_model_save"),
+    "reduce_bucket_size": _Map("reduce_bucket_size", _int(1), "elements per reduce-scatter bucket (> 0)"),
+    "overlap_comm": _Map("overlap_comm", _overlap_comm,
+                         "overlap gathers and reductions with compute (null: true)"),
+    "offload_param": _Map("offload_param", _offload(_OFFLOAD_PARAM_RULES), "parameter shards in CPU memory"),
+    "offload_optimizer": _Map("offload_optimizer", _offload(_OFFLOAD_OPTIMIZER_RULES),
+                              "fp32 master shards and optimizer state in CPU memory, step on CPU"),
+    "sub_group_size": _Map("sub_group_size", _int(0),
+                           "the optimizer step runs over the shards in groups of at most this many "
+                           "elements (whole parameters; bounds step and offload copy buffers)"),
+    "leaf_module": _Map("leaf_module", _leaf_module,
+                        "modules gathered and released as one unit (classes / names / name_suffixes)"),
+    "override_module_apply": _Map("override_module_apply", _bool,
+                                  "under zero3.Init, Module.apply(fn) sees gathered parameters and "
+                                  "keeps what fn writes"),
+    "log_trace_cache_warnings": _Map("log_trace_cache_warnings", _bool,
+                                     "log when the recorded fetch order changes and is re-recorded"),
+    "enable_sanity_checks": _Map("enable_sanity_checks", _bool, "extra internal consistency checks"),
+    # accepted when zero3 always satisfies the value
+    "contiguous_gradients": _Only(_is_bool, "true or false",
+                                  "zero3 always reduces into contiguous shard buffers; the buffer "
+                                  "layout is internal", _REMOVE),
+    "reduce_scatter": _Only(_is(True), "true", "zero3 always reduce-scatters gradients into shards",
+                            _REMOVE),
+    "memory_efficient_linear": _Only(_is_bool, "true or false",
+                                     "zero3 never patches F.linear; autograd saves the parameter "
+                                     "itself, whose storage is released, so a linear layer never "
+                                     "pins a gathered weight", _REMOVE),
+    "ignore_unused_parameters": _Only(_is(True), "true",
+                                      "zero3 gives a parameter unused in a step a zero gradient",
+                                      _REMOVE),
+    "compute_grad_norm": _Only(_is(True), "true",
+                               "the global gradient norm is always computed at stage 3 (DeepSpeed "
+                               "refuses false at stage 3 too)", _REMOVE),
+    "load_from_fp32_weights": _Only(_is(True), "true",
+                                    "zero3 always restores the fp32 master shards from the checkpoint",
+                                    "Remove the key; to load only the model weights use "
+                                    "load_checkpoint(..., load_module_only=True)."),
+    # stage 1/2 only
+    "use_multi_rank_bucket_allreduce": _stage12_only(True),
+    "allgather_partitions": _stage12_only(True),
+    "allgather_bucket_size": _Only(_is(500_000_000), "500000000 (DeepSpeed's default)", _STAGE12,
+                                   "Remove the key; at stage 3 the all-gather size is bounded by "
+                                   "stage3_prefetch_bucket_size."),
+    "round_robin_gradients": _stage12_only(False),
+    "parameter_alignment": _stage12_only(False),
+    "legacy_stage1": _stage12_only(False),
+    # not implemented
+    "elastic_checkpoint": _off(False, "DeepSpeed's ZeRO-3 no longer supports elastic checkpoints",
+                               "Remove the key: zero3 checkpoints load on any world size."),
+    "zenflow": _off(None, "ZenFlow is not implemented"),
+    "use_all_reduce_for_fetch_params": _off(False, "zero3 fetches with one coalesced all-gather "
+                                            "per unit"),
+    "stage3_use_all_reduce_for_fetch_params": _off(False, "zero3 fetches with one coalesced "
+                                                   "all-gather per unit"),
+    "allgather_sequential": _off(False, "zero3 coalesces one all-gather per fetch unit",
+                                 "Remove the key; to bound gather memory lower "
+                                 "stage3_prefetch_bucket_size."),
+    "stage3_allgather_sequential": _off(False, "zero3 coalesces one all-gather per fetch unit",
+                                        "Remove the key; to bound gather memory lower "
+                                        "stage3_prefetch_bucket_size."),
+    "zero_hpz_partition_size": _Only(_is(0, 1), "1 (DeepSpeed's default) or 0",
+                                     "hierarchical partitioning (ZeRO++ hpZ) is not implemented",
+                                     _REMOVE),
+    "zero_quantized_weights": _off(False, "quantized weight communication (ZeRO++ qwZ) is not "
+                                   "implemented"),
+    "zero_quantized_nontrainable_weights": _off(False, "quantized storage of frozen weights is "
+                                                "not implemented"),
+    "zero_quantized_gradients": _off(False, "quantized gradient communication (ZeRO++ qgZ) is not "
+                                     "implemented"),
+    "pipeline_loading_checkpoint": _off(False, "pipeline parallelism is not implemented"),
+    "save_muon_momentum_buffer_in_memory": _off(False, f"{_NVME}, nor is the Muon optimizer"),
+    "cpu_offload_param": _deprecated_flag("offload_param"),
+    "cpu_offload": _deprecated_flag("offload_optimizer"),
+    "cpu_offload_use_pin_memory": _Only(_is(None), "null", "a deprecated DeepSpeed flag",
+                                        "Use offload_param.pin_memory / offload_optimizer.pin_memory."),
+    "mics_shard_size": _Refuse(_REMOVED_UPSTREAM + " (MiCS)", _REMOVE),
+    "mics_hierarchical_params_gather": _Refuse(_REMOVED_UPSTREAM + " (MiCS)", _REMOVE),
+    "zeropp_loco_param": _Refuse(_REMOVED_UPSTREAM + " (LoCo-Zero++)", _REMOVE),
+}
+
+# DeepSpeed's pydantic model also accepts the field names without the stage3_ prefix.
+for _name in ("param_persistence_threshold", "prefetch_bucket_size", "max_live_parameters",
+              "max_reuse_distance", "model_persistence_threshold", "module_granularity_threshold",
+              "gather_16bit_weights_on_model_save"):
+    _ZERO_RULES[_name] = _ZERO_RULES["stage3_" + _name]
+del _name
+
+
+def _zero(key: str, value: Any) -> ZeroConfig:
+    """Converter for ``zero_optimization``."""
+    if isinstance(value, bool):
+        _fail(key, value, "the boolean form is DeepSpeed's deprecated stage 0/1 switch",
+              'Write "zero_optimization": {"stage": 3}.')
+    return ZeroConfig(**_parse_section(_Section(key, _ZERO_RULES, auto_is_default=True), value))
+
+
+# --------------------------------------------------------------------------------------
+# Precision
+# --------------------------------------------------------------------------------------
+
+_BF16_RULES: dict[str, _Rule] = {
+    "enabled": _Map("enabled", _bool, "train in bfloat16 (fp32 master shards)"),
+    "check_grad_overflow": _Map("check_grad_overflow", _bool,
+                                "skip the step when a gradient is inf/nan (DeepSpeed's default: true)"),
+    "immediate_grad_update": _off(False, "DeepSpeed uses it only in its stage 0/1 bf16 optimizer; "
+                                  "zero3 reduces each gradient into its fp32 shard as it is produced"),
+    "bf16_master_weights_and_grads": _off(False, "zero3 keeps fp32 master weights and gradients"),
+    "bf16_optimizer_states": _off(False, "zero3 keeps optimizer states in fp32"),
+}
+
+
+_FP16_RULES: dict[str, _Rule] = {
+    "enabled": _Map("enabled", _bool, "train in float16 with loss scaling (fp32 master shards)"),
+    "auto_cast": _Map("auto_cast", _bool, "cast floating-point forward inputs to float16"),
+    "loss_scale": _Map("loss_scale", _float(0.0), "static loss scale; 0 = dynamic"),
+    "initial_scale_power": _Map("initial_scale_power", _int(0), "dynamic scale starts at 2**power"),
+    "loss_scale_window": _Map("loss_scale_window", _int(None),
+                              "steps without overflow before the scale grows"),
+    "hysteresis": _Map("hysteresis", _int(1), "overflows tolerated before the scale shrinks"),
+    "consecutive_hysteresis": _Map("consecutive_hysteresis", _bool,
+                                   "refill hysteresis after a step without overflow"),
+    "min_loss_scale": _Map("min_loss_scale", _int(None), "floor of the dynamic loss scale"),
+    "fp16_master_weights_and_grads": _off(False, "zero3 keeps fp32 master weights and gradients"),
+}
+
+
+def _section_values(rules: Mapping[str, _Rule], auto_is_default: bool = True) -> Converter:
+    """Converter: a sub-section parsed with ``rules``; ``auto_is_default`` where DeepSpeed
+    validates it with pydantic (which drops "auto")."""
+    return lambda key, value: _parse_section(_Section(key, rules, auto_is_default), value)
+
+
+_DATA_TYPES_RULES: dict[str, _Rule] = {
+    "param_dtype": _Map("param_dtype", _dtype_name,
+                        "must equal the dtype that bf16/fp16 select (DeepSpeed asserts the same)"),
+    "grad_accum_dtype": _Only(_is(None, *_FP32_SPELLINGS), 'null or "fp32"',
+                              "zero3 accumulates gradients in fp32 shard buffers", _REMOVE),
+    "buffer_dtype": _off(None, "zero3 leaves buffers at the dtype they were loaded in (DeepSpeed's "
+                         "default); it does not cast buffers",
+                         "Remove the key and cast the buffers yourself before initialize()."),
+    "keep_in_fp32_modules": _Only(_is("auto", None), '"auto" (DeepSpeed\'s default)',
+                                  "zero3 never changes a buffer's dtype, so buffers loaded in fp32 "
+                                  "stay fp32; name patterns have nothing to select", _REMOVE),
+}
+
+
+def _data_types(key: str, value: Any) -> dict[str, Any]:
+    return _parse_section(_Section(key, _DATA_TYPES_RULES, auto_is_default=False), value)
+
+
+def _precision(values: Mapping[str, Any]) -> PrecisionConfig:
+    """Build the PrecisionConfig from the parsed bf16 / fp16 / data_types sections."""
+    bf16: dict = values.get("_bf16", {})
+    fp16: dict = values.get("_fp16", {})
+    bf16_key = values.get("_bf16_key", "bf16")
+    if bf16.get("enabled") and fp16.get("enabled"):
+        _fail(f"{bf16_key}.enabled + fp16.enabled", True, "bfloat16 and fp16 cannot both be enabled",
+              "Enable only one of them.")
+    dtype = torch.bfloat16 if bf16.get("enabled") else torch.float16 if fp16.get("enabled") else torch.float32
+    if dtype == torch.float16 and fp16.get("loss_scale", 0.0) == 0.0:
+        for name in ("loss_scale_window", "min_loss_scale"):
+            if fp16.get(name, 1) <= 0:
+                _fail(f"fp16.{name}", fp16[name], "must be > 0 with dynamic loss scaling (loss_scale 0)",
+                      "Write a positive whole number.")
+    if fp16.get("auto_cast") and dtype != torch.float16:
+        _fail("fp16.auto_cast", True, "auto_cast casts inputs to float16 but fp16 is not enabled",
+              'Set "fp16": {"enabled": true}, or remove auto_cast.')
+    param_dtype = values.get("_data_types", {}).get("param_dtype")
+    if param_dtype is not None and param_dtype != dtype:
+        _fail("data_types.param_dtype", str(param_dtype).replace("torch.", ""),
+              f"conflicts with the enabled precision ({str(dtype).replace('torch.', '')})",
+              "Enable the matching bf16/fp16 section, or remove data_types.param_dtype.")
+    check = {torch.float16: True, torch.bfloat16: bf16.get("check_grad_overflow", True)}.get(dtype, False)
+    scale = {k: v for k, v in fp16.items() if k not in ("enabled", "auto_cast")}
+    if "min_loss_scale" in scale:
+        scale["min_loss_scale"] = float(scale["min_loss_scale"])
+    return PrecisionConfig(dtype=dtype, communication_data_type=values.get("_comm_dtype"),
+                           auto_cast=bool(fp16.get("auto_cast", False)), check_grad_overflow=check, **scale)
+
+
+# --------------------------------------------------------------------------------------
+# Optimizer and scheduler
+# --------------------------------------------------------------------------------------
+
+SUPPORTED_OPTIMIZERS: tuple[str, ...] = ("Adam", "AdamW", "SGD")
+SUPPORTED_SCHEDULERS: tuple[str, ...] = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle")
+
+_REQUIRED = object()
+
+
+def _number_or_list(key: str, value: Any) -> Any:
+    """A number, or a list of numbers (one per param group, as DeepSpeed accepts)."""
+    items = value if isinstance(value, list) else [value]
+    for item in items:
+        _float(0.0)(key, item)
+    return list(value) if isinstance(value, list) else float(value)
+
+
+def _betas(key: str, value: Any) -> tuple[float, float]:
+    if not isinstance(value, (list, tuple)) or len(value) != 2:
+        _fail(key, value, "expected two numbers", "Write e.g. [0.9, 0.999].")
+    for beta in value:
+        if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0.0 <= beta < 1.0:
+            _fail(key, value, "each beta must be in [0, 1)", "Write e.g. [0.9, 0.999].")
+    return (float(value[0]), float(value[1]))
+
+
+def _optional_bool(key: str, value: Any) -> bool | None:
+    return None if value is None else _bool(key, value)
+
+
+# param -> converter; the value passes to the torch.optim constructor.
+_TORCH_COMMON_PARAMS: dict[str, Converter] = {
+    "lr": _float(0.0), "weight_decay": _float(0.0), "maximize": _bool, "foreach": _optional_bool,
+    "differentiable": _bool, "fused": _optional_bool,
+}
+_ADAM_PARAMS: dict[str, Converter] = {
+    **_TORCH_COMMON_PARAMS, "betas": _betas, "eps": _float(0.0), "amsgrad": _bool, "capturable": _bool,
+}
+_SGD_PARAMS: dict[str, Converter] = {
+    **_TORCH_COMMON_PARAMS, "momentum": _float(0.0), "dampening": _float(0.0), "nesterov": _bool,
+}
+# DeepSpeed-only Adam params: consumed here, never passed to torch.
+_ADAM_DS_PARAMS: dict[str, Callable[[Any], bool] | None] = {
+    "adam_w_mode": None,  # mapped: chooses Adam vs AdamW
+    "torch_adam": None,  # torch.optim kernels vs FusedAdam: same update; zero3 always uses torch.optim
+    "bias_correction": _is(True),
+    "set_grad_none": _is(True),
+    "fp32_optimizer_states": _is(True, None),
+}
+
+
+def _optimizer_params(key: str, kind: str, params: dict) -> tuple[str, dict]:
+    """Validate optimizer params; return (torch.optim class name, constructor kwargs)."""
+    allowed = _SGD_PARAMS if kind == "SGD" else _ADAM_PARAMS
+    extras = {} if kind == "SGD" else _ADAM_DS_PARAMS
+    kwargs: dict[str, Any] = {}
+    for name, value in params.items():
+        pkey = f"{key}.params.{name}"
+        if name == "max_grad_norm":
+            _fail(pkey, value, "not an optimizer parameter (DeepSpeed refuses it too)",
+                  'Use the top-level "gradient_clipping" key.')
+        if isinstance(value, str) and value == "auto":
+            _fail(pkey, value, "'auto' is a placeholder that the Hugging Face Trainer fills in",
+                  "zero3 needs a concrete value: write the number here.")
+        if name in allowed:
+            kwargs[name] = allowed[name](pkey, value)
+        elif name in extras:
+            accepts = extras[name]
+            if accepts is None:
+                _bool(pkey, value)
+            elif not accepts(value):
+                _fail(pkey, value, "zero3 supports only the default here: torch.optim applies bias "
+                      "correction, zero3 frees gradients itself and keeps optimizer states in fp32",
+                      "Remove the key.")
+        else:
+            near = difflib.get_close_matches(name, [*allowed, *extras], n=1, cutoff=0.5)
+            hint = f"did you mean '{near[0]}'? " if near else ""
+            _fail(pkey, value, f"unknown {kind} parameter",
+                  f"{hint}Known: {', '.join(sorted([*allowed, *extras]))}.")
+    if kind == "SGD":
+        return "SGD", kwargs
+    adamw = kind == "AdamW" or params.get("adam_w_mode", True)  # DeepSpeed: Adam means AdamW by default
+    return ("AdamW" if adamw else "Adam"), kwargs
+
+
+_OPTIMIZER_HEADER: dict[str, _Rule] = {
+    "type": _Map("type", lambda k, v: v, "Adam, AdamW or SGD (any case)"),
+    "params": _Map("params", lambda k, v: v, "constructor parameters"),
+    "legacy_fusion": _off(False, "zero3 has no fused legacy optimizer path"),
+}
+_SCHEDULER_HEADER: dict[str, _Rule] = {
+    "type": _Map("type", lambda k, v: v, "WarmupLR, WarmupDecayLR, WarmupCosineLR or OneCycle"),
+    "params": _Map("params", lambda k, v: v, "schedule parameters"),
+}
+
+
+def _header(key: str, value: Any, rules: Mapping[str, _Rule]) -> tuple[str, dict]:
+    """Parse an optimizer/scheduler header: (type string, params dict)."""
+    header = _parse_section(_Section(key, rules, auto_is_default=False), value)
+    kind, params = header.get("type"), header.get("params", {})
+    if not isinstance(kind, str) or not kind:
+        _fail(f"{key}.type", kind, "missing or not a string", f'Write e.g. "type": "{_EXAMPLE[key]}".')
+    if params is None:
+        params = {}
+    if not isinstance(params, dict):
+        _fail(f"{key}.params", params, "expected a JSON object", 'Write "params": {...}.')
+    return kind, params
+
+
+_EXAMPLE = {"optimizer": "AdamW", "scheduler": "WarmupLR"}
+
+
+def _optimizer(key: str, value: Any) -> ComponentSpec | None:
+    """Converter for the ``optimizer`` section."""
+    if value is None:
+        return None
+    kind, params = _header(key, value, _OPTIMIZER_HEADER)
+    canonical = {name.lower(): name for name in SUPPORTED_OPTIMIZERS}.get(kind.lower())
+    if canonical is None:
+        _fail(f"{key}.type", kind, "optimizer type not supported by zero3",
+              f"Use one of {', '.join(SUPPORTED_OPTIMIZERS)} (case-insensitive), or build any torch "
+              "optimizer yourself and pass it to initialize(optimizer=...).")
+    resolved, kwargs = _optimizer_params(key, canonical, params)
+    return ComponentSpec(type=canonical, params=copy.deepcopy(params), resolved=resolved, kwargs=kwargs)
+
+
+def _warmup_type(key: str, value: Any) -> str:
+    if value not in ("log", "linear"):
+        _fail(key, value, "unknown warmup_type (DeepSpeed would fall back to log with a warning)",
+              'Use "log" or "linear".')
+    return value
+
+
+def _lr_or_none(key: str, value: Any) -> Any:
+    return None if value is None else _number_or_list(key, value)
+
+
+def _step_or_none(key: str, value: Any) -> int | None:
+    return None if value is None else _to_int(key, value, None)
+
+
+# Scheduler params: name -> (DeepSpeed's default or _REQUIRED, converter), from lr_schedules.py.
+_WARMUP: dict[str, tuple[Any, Converter]] = {
+    "warmup_min_lr": (0.0, _number_or_list),
+    "warmup_num_steps": (1000, _int(1)),
+    "warmup_type": ("log", _warmup_type),
+    "last_batch_iteration": (-1, _int(-1)),
+}
+_SCHEDULER_PARAMS: dict[str, dict[str, tuple[Any, Converter]]] = {
+    "WarmupLR": {**_WARMUP, "warmup_max_lr": (None, _lr_or_none)},
+    "WarmupDecayLR": {**_WARMUP, "warmup_max_lr": (0.001, _number_or_list),
+                      "total_num_steps": (_REQUIRED, _int(1))},
+    "WarmupCosineLR": {
+        "total_num_steps": (_REQUIRED, _int(1)),
+        "warmup_min_ratio": (0.0, _float(0.0)),
+        "warmup_num_steps": (1000, _int(1)),
+        "cos_min_ratio": (0.0001, _float(0.0)),
+        "warmup_type": ("log", _warmup_type),
+        "last_batch_iteration": (-1, _int(-1)),
+    },
+    "OneCycle": {
+        "cycle_min_lr": (_REQUIRED, _number_or_list),
+        "cycle_max_lr": (_REQUIRED, _number_or_list),
+        "decay_lr_rate": (0.0, _float(0.0)),
+        "cycle_first_step_size": (2000, _int(1)),
+        "cycle_second_step_size": (None, _step_or_none),
+        "cycle_first_stair_count": (0, _int(None)),
+        "cycle_second_stair_count": (None, _step_or_none),
+        "decay_step_size": (0, _int(0)),
+        "cycle_momentum": (True, _bool),
+        "cycle_min_mom": (0.8, _number_or_list),
+        "cycle_max_mom": (0.9, _number_or_list),
+        "decay_mom_rate": (0.0, _float(0.0)),
+        "last_batch_iteration": (-1, _int(-1)),
+    },
+}
+
+
+def _scheduler_kind(key: str, kind: str) -> str:
+    """The supported scheduler name for ``kind`` (exact, as DeepSpeed matches it)."""
+    if kind in SUPPORTED_SCHEDULERS:
+        return kind
+    if kind == "LRRangeTest":
+        _fail(key, kind, "LRRangeTest is not supported by zero3: it is an exploration tool, not a "
+              "training schedule", "Run the range test separately, then configure the schedule you "
+              f"chose ({', '.join(SUPPORTED_SCHEDULERS)}).")
+    near = difflib.get_close_matches(kind, SUPPORTED_SCHEDULERS, n=1, cutoff=0.5)
+    hint = f"Did you mean '{near[0]}'? " if near else ""
+    _fail(key, kind, "scheduler type not supported by zero3 (DeepSpeed would also look it up in "
+          "torch.optim.lr_scheduler)", f"{hint}Use one of {', '.join(SUPPORTED_SCHEDULERS)}, or build a "
+          "torch scheduler yourself and pass it to initialize(lr_scheduler=...).")
+
+
+def _scheduler(key: str, value: Any) -> ComponentSpec | None:
+    """Converter for the ``scheduler`` section."""
+    if value is None:
+        return None
+    kind, params = _header(key, value, _SCHEDULER_HEADER)
+    kind = _scheduler_kind(f"{key}.type", kind)
+    table = _SCHEDULER_PARAMS[kind]
+    kwargs: dict[str, Any] = {}
+    for name, param_value in params.items():
+        pkey = f"{key}.params.{name}"
+        if name not in table:
+            near = difflib.get_close_matches(name, list(table), n=1, cutoff=0.5)
+            hint = f"did you mean '{near[0]}'? " if near else ""
+            _fail(pkey, param_value, f"unknown {kind} parameter", f"{hint}Known: {', '.join(table)}.")
+        if isinstance(param_value, str) and param_value == "auto":
+            _fail(pkey, param_value, "'auto' is a placeholder that the Hugging Face Trainer fills in",
+                  "zero3 needs a concrete value: write the number here.")
+        kwargs[name] = table[name][1](pkey, param_value)
+    for name, (default, _) in table.items():
+        if name not in kwargs:
+            if default is _REQUIRED:
+                _fail(f"{key}.params.{name}", None, f"required by {kind}", f"Add {name} to {key}.params.")
+            kwargs[name] = default
+    return ComponentSpec(type=kind, params=copy.deepcopy(params), resolved=kind, kwargs=kwargs)
+
+
+# --------------------------------------------------------------------------------------
+# Other sections
+# --------------------------------------------------------------------------------------
+
+_CHECKPOINT_RULES: dict[str, _Rule] = {
+    "tag_validation": _Map("tag_validation", _choice({"warn": "WARN", "ignore": "IGNORE", "fail": "FAIL"}),
+                           "Warn / Ignore / Fail when ranks save with different tags"),
+    "load_universal": _off(False, "DeepSpeed's universal checkpoint format is not read by zero3",
+                           "Remove the key: zero3 checkpoints load on any world size."),
+    "use_node_local_storage": _off(False, "zero3 writes every checkpoint to one shared directory"),
+    "parallel_write": _Only(_defaults_only({"pipeline_stage": False}), "{} or {\"pipeline_stage\": false}",
+                            "pipeline parallelism is not implemented", _REMOVE),
+    "writer": _off(None, "zero3 has its own checkpoint writer (manifest, checksums, commit marker)"),
+    "checkpoint_serialization": _off(True, "zero3 chooses its own checkpoint serialization"),
+}
+
+_THROUGHPUT_RULES: dict[str, _Rule] = {
+    "enabled": _Map("throughput_timer_enabled", _bool, "report samples/s every steps_per_print"),
+    "synchronized": _Map("throughput_timer_synchronized", _bool, "synchronize the device when timing"),
+}
+_TIMERS_RULES: dict[str, _Rule] = {
+    "throughput": _Map("throughput", _section_values(_THROUGHPUT_RULES),
+                       "throughput timer: enabled, synchronized"),
+}
+
+
+def _timers(key: str, value: Any) -> dict[str, Any]:
+    return _parse_section(_Section(key, _TIMERS_RULES, auto_is_default=False), value).get("throughput", {})
+
+
+_ACTIVATION_CHECKPOINTING_DEFAULTS = {
+    "partition_activations": False, "number_checkpoints": None, "contiguous_memory_optimization": False,
+    "synchronize_checkpoint_boundary": False, "profile": False, "cpu_checkpointing": False,
+}
+_AIO_DEFAULTS = {
+    "block_size": 1048576, "queue_depth": 8, "intra_op_parallelism": 1, "single_submit": False,
+    "overlap_events": True, "use_gds": False,
+}
+_PIPELINE_DEFAULTS = {
+    "stages": "auto", "partition": "best", "seed_layers": False, "activation_checkpoint_interval": 0,
+    "pipe_partitioned": True, "grad_partitioned": True,
+}
+
+_LOG_LEVELS = {name: name for name in ("debug", "info", "warning", "error", "critical")}
+
+
+def _log_level(key: str, value: Any) -> str | None:
+    return None if value is None else _choice(_LOG_LEVELS)(key, value)
+
+
+def _no_tensor_parallel(value: Any) -> bool:
+    """Predicate: a tensor_parallel block that asks for no tensor parallelism."""
+    if value is None:
+        return True
+    return isinstance(value, dict) and set(value) <= {"autotp_size"} and _is(0, 1)(value.get("autotp_size", 0))
+
+
+def _monitor(what: str) -> _Only:
+    return _feature_block(f"the {what} monitor", "Remove the block (or set enabled: false) and log "
+                          "from your training loop.")
+
+
+_TOP_RULES: dict[str, _Rule] = {
+    "train_batch_size": _Map("train_batch_size", _int(None), "global batch: micro * accumulation * world"),
+    "train_micro_batch_size_per_gpu": _Map("train_micro_batch_size_per_gpu", _int(None),
+                                           "batch per rank per forward"),
+    "gradient_accumulation_steps": _Map("gradient_accumulation_steps", _int(None),
+                                        "micro-steps per optimizer step"),
+    "gradient_clipping": _Map("gradient_clipping", _float(0.0),
+                              "clip the global gradient norm (0: off; absent: 1.0, DeepSpeed 0.19.8's default)"),
+    "zero_optimization": _Map("zero", _zero, "ZeRO-3 settings (see the zero_optimization table)"),
+    "bf16": _Map("_bf16", _section_values(_BF16_RULES), "bfloat16 training"),
+    "bfloat16": _Map("_bf16", _section_values(_BF16_RULES), "DeepSpeed's alias of bf16"),
+    "fp16": _Map("_fp16", _section_values(_FP16_RULES), "float16 training with loss scaling"),
+    "communication_data_type": _Map("_comm_dtype", _comm_dtype,
+                                    "dtype of gradient reduction (fp32/bf16/fp16; null: compute dtype)"),
+    "data_types": _Map("_data_types", _data_types, "param_dtype check; see the data_types table"),
+    "optimizer": _Map("optimizer", _optimizer, "Adam / AdamW / SGD built by zero3"),
+    "scheduler": _Map("scheduler", _scheduler, "WarmupLR / WarmupDecayLR / WarmupCosineLR / OneCycle"),
+    "zero_allow_untested_optimizer": _Map("zero_allow_untested_optimizer", _bool,
+                                          "allow a client optimizer other than Adam/AdamW/SGD"),
+    "prescale_gradients": _Map("prescale_gradients", _bool,
+                               "divide gradients before the reduction instead of after"),
+    "gradient_predivide_factor": _Map("gradient_predivide_factor", _float(0.0, strict=True),
+                                      "divide by this before the reduction, by world/factor after"),
+    "steps_per_print": _Map("steps_per_print", _int_or_none(1), "log every N optimizer steps (null: never)"),
+    "wall_clock_breakdown": _Map("wall_clock_breakdown", _bool, "log forward/backward/step timings"),
+    "memory_breakdown": _Map("memory_breakdown", _bool, "log memory use around forward/backward/step"),
+    "dump_state": _Map("dump_state", _bool, "print the engine configuration at initialize"),
+    "log_level": _Map("log_level", _log_level, "zero3 logger level (debug ... critical)"),
+    "vocabulary_size": _Map("vocabulary_size", _int_or_none(1),
+                            "only a warning when not a multiple of 8 (as DeepSpeed)"),
+    "timers": _Map("_timers", _timers, "throughput timer (timers.throughput.enabled / synchronized)"),
+    "disable_python_gc": _Map("disable_python_gc", _bool,
+                              "disable automatic Python GC; collect at safe boundaries"),
+    "dataloader_drop_last": _Map("dataloader_drop_last", _bool,
+                                 "drop the last incomplete batch of training_data's loader"),
+    "checkpoint": _Map("_checkpoint", _section_values(_CHECKPOINT_RULES, auto_is_default=False),
+                       "checkpoint.tag_validation; see the checkpoint table"),
+    # accepted with the values zero3 satisfies
+    "managed_gradient_accumulation": _Only(_is(True), "true (DeepSpeed's default)",
+                                           "zero3 steps the optimizer only at the accumulation boundary",
+                                           "Remove the key; set gradient_accumulation_steps to 1 to step "
+                                           "on every call."),
+    "zero_force_ds_cpu_optimizer": _Only(_is_bool, "true or false",
+                                         "zero3 runs any torch optimizer on CPU shards when offloading; "
+                                         "there is no DeepSpeed CPU optimizer to force", _REMOVE),
+    "gradient_allreduce_op": _Only(_is("mean"), '"mean" (DeepSpeed\'s default)',
+                                   "gradients are averaged; DeepSpeed refuses \"sum\" at stage 3 too",
+                                   _REMOVE),
+    "disable_allgather": _off(False, "DeepSpeed 0.19.8 does not use this flag; zero3 always gathers"),
+    "seq_parallel_communication_data_type": _Only(_is(None, "fp32"), '"fp32" (DeepSpeed\'s default)',
+                                                  "sequence parallelism is not implemented", _REMOVE),
+    "sequence_parallel_size": _Only(_is(1), "1", "sequence parallelism is not implemented", _REMOVE),
+    "use_data_before_expert_parallelism": _off(False, "expert parallelism is not implemented"),
+    "activation_checkpointing": _Only(_defaults_only(_ACTIVATION_CHECKPOINTING_DEFAULTS),
+                                      _shown_defaults(_ACTIVATION_CHECKPOINTING_DEFAULTS),
+                                      "these configure deepspeed.checkpointing, which zero3 does not "
+                                      "provide", "Use torch.utils.checkpoint (reentrant or not); "
+                                      "remove the block."),
+    "aio": _Only(_defaults_only(_AIO_DEFAULTS), _shown_defaults(_AIO_DEFAULTS),
+                 f"aio configures {_NVME}", _REMOVE),
+    "pipeline": _Only(_defaults_only(_PIPELINE_DEFAULTS), _shown_defaults(_PIPELINE_DEFAULTS),
+                      "pipeline parallelism is not implemented", _REMOVE),
+    "tensor_parallel": _Only(_no_tensor_parallel, "{} or {\"autotp_size\": 0 or 1}",
+                             "tensor parallelism is not implemented", _REMOVE),
+    "torch_autocast": _feature_block("torch_autocast", 'Use "bf16": {"enabled": true} or "fp16".'),
+    "tensorboard": _monitor("TensorBoard"),
+    "wandb": _monitor("Weights & Biases"),
+    "csv_monitor": _monitor("CSV"),
+    "comet": _monitor("Comet"),
+    "comms_logger": _feature_block("the communication logger", "Remove the block; zero3's comm "
+                                   "module counts collectives and bytes itself."),
+    "flops_profiler": _feature_block("the flops profiler", "Remove the block; use torch.profiler."),
+    "autotuning": _feature_block("autotuning", "Remove the block and set the sizes yourself."),
+    "hybrid_engine": _feature_block("the hybrid (RLHF) engine", _REMOVE),
+    "data_efficiency": _feature_block("data efficiency (curriculum sampling, random-LTD)", _REMOVE),
+    "expert_parallel": _feature_block("expert parallelism", _REMOVE),
+    "compile": _feature_block("DeepCompile", "Remove the block; call torch.compile on the model.",
+                              flag="deepcompile"),
+    "datastates_ckpt": _Only(_is(None, False), "false or null", "DataStates asynchronous checkpointing "
+                             "is not implemented", _REMOVE),
+    "weight_quantization": _Refuse("weight quantization is an inference feature", _REMOVE),
+}
+for _name in ("nebula", "compression_training", "amp", "quantize_training", "sparse_gradients",
+              "eigenvalue", "sparse_attention", "elasticity", "graph_harvesting", "curriculum_learning",
+              "progressive_layer_drop"):
+    _TOP_RULES[_name] = _Refuse(_REMOVED_UPSTREAM, _REMOVE)
+del _name
+_TOP_RULES["amp"] = _Refuse(_REMOVED_UPSTREAM + " (Apex AMP)", 'Use "bf16" or "fp16".')
+_TOP_RULES["curriculum_learning"] = _Refuse(_REMOVED_UPSTREAM, "Remove the key (zero3 does not "
+                                            "implement data_efficiency curriculum learning either).")
+_TOP_RULES["elasticity"] = _Refuse(_REMOVED_UPSTREAM, "Set train_batch_size / "
+                                   "train_micro_batch_size_per_gpu / gradient_accumulation_steps.")
+
+
+# --------------------------------------------------------------------------------------
+# Batch sizes
+# --------------------------------------------------------------------------------------
+
+_TBS, _MICRO, _GAS = "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"
+
+
+def _positive(key: str, value: int) -> None:
+    if value <= 0:
+        _fail(key, value, "must be > 0", "Write a positive whole number.")
+
+
+def _derive(key: str, total: int, divisor: int, arithmetic: str) -> int:
+    """``total // divisor`` when it divides exactly, else an error showing the arithmetic."""
+    if total % divisor:
+        _fail(key, total, f"is not a multiple of {arithmetic} = {divisor}",
+              f"Make {key} a multiple of {divisor}, or give all three batch keys.")
+    return total // divisor
+
+
+def _batch_sizes(tbs: int | None, micro: int | None, gas: int | None, world: int) -> tuple[int, int, int]:
+    """DeepSpeed's batch rules: train_batch_size = micro * accumulation * world_size."""
+    for key, value in ((_TBS, tbs), (_MICRO, micro), (_GAS, gas)):
+        if value is not None:
+            _positive(key, value)
+    if tbs is not None and micro is not None and gas is not None:
+        if tbs != micro * gas * world:
+            _fail(_TBS, tbs, f"must equal {_MICRO} * {_GAS} * world_size = {micro} * {gas} * {world} "
+                  f"= {micro * gas * world}", "Fix one of the three, or drop train_batch_size and let "
+                  "zero3 derive it.")
+        return tbs, micro, gas
+    if tbs is not None and micro is not None:
+        return tbs, micro, _derive(_TBS, tbs, micro * world, f"{_MICRO} * world_size = {micro} * {world}")
+    if tbs is not None and gas is not None:
+        return tbs, _derive(_TBS, tbs, gas * world, f"{_GAS} * world_size = {gas} * {world}"), gas
+    if micro is not None and gas is not None:
+        return micro * gas * world, micro, gas
+    if tbs is not None:
+        return tbs, _derive(_TBS, tbs, world, f"world_size = {world}"), 1
+    if micro is not None:
+        return micro * world, micro, 1
+    _fail(_MICRO, None, "no batch size given (need train_batch_size or train_micro_batch_size_per_gpu)",
+          f"Add {_MICRO} (and optionally {_GAS}), or {_TBS}.")
+
+
+# --------------------------------------------------------------------------------------
+# Entry point
+# --------------------------------------------------------------------------------------
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict:
+    """json object hook: refuse duplicate keys, as DeepSpeed does."""
+    result: dict = {}
+    for key, value in pairs:
+        if key in result:
+            raise ConfigError(f"{key}: duplicate key in the JSON config (got {_show(value)} after "
+                              f"{_show(result[key])}). Keep only one.")
+        result[key] = value
+    return result
+
+
+def _load(config: "dict | str | os.PathLike") -> dict:
+    """The config as a dict: given, read from a JSON file, or decoded from base64 JSON."""
+    if isinstance(config, dict):
+        return config
+    if not isinstance(config, (str, os.PathLike)):
+        raise ConfigError(f"config: expected a dict or a path to a JSON file (got {type(config).__name__}). "
+                          "Pass the DeepSpeed config dict or its file path.")
+    path = os.fspath(config)
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as handle:
+            text = handle.read()
+        source = f"config file {path}"
+    else:
+        try:
+            text = base64.urlsafe_b64decode(path).decode("utf-8")
+        except (binascii.Error, ValueError, UnicodeDecodeError):
+            raise ConfigError(f"config: no such file (got {path!r}). Pass an existing JSON file path, a "
+                              "dict, or a base64-encoded JSON string.") from None
+        source = "base64 config"
+    try:
+        loaded = json.loads(text, object_pairs_hook=_no_duplicates)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"config: {source} is not valid JSON ({exc.msg} at line {exc.lineno}, "
+                          f"column {exc.colno}). Fix the JSON (zero3 reads plain JSON, no comments).") from None
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"config: {source} must hold a JSON object (got {_show(loaded)}). Write {{...}}.")
+    return loaded
+
+
+def from_deepspeed(config: "dict | str | os.PathLike", world_size: int) -> Zero3Config:
+    """Parse and validate a DeepSpeed config for ``world_size`` data-parallel ranks.
+
+    Raises ConfigError for anything zero3 cannot honour, naming the key, the value and the fix.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ConfigError(f"world_size: must be a positive integer (got {world_size!r}). "
+                          "Pass the number of data-parallel ranks.")
+    raw = _load(config)
+    values = _parse_section(_Section("", _TOP_RULES, auto_is_default=False), raw)
+    values["_bf16_key"] = "bfloat16" if "bfloat16" in raw else "bf16"
+    tbs, micro, gas = _batch_sizes(values.get(_TBS), values.get(_MICRO), values.get(_GAS), world_size)
+    timers = values.get("_timers", {})
+    return Zero3Config(
+        train_batch_size=tbs,
+        train_micro_batch_size_per_gpu=micro,
+        gradient_accumulation_steps=gas,
+        gradient_clipping=values.get("gradient_clipping", GRADIENT_CLIPPING_DEFAULT),
+        zero=values.get("zero", ZeroConfig()),
+        precision=_precision(values),
+        optimizer=values.get("optimizer"),
+        scheduler=values.get("scheduler"),
+        steps_per_print=values.get("steps_per_print"),
+        wall_clock_breakdown=values.get("wall_clock_breakdown", False),
+        zero_allow_untested_optimizer=values.get("zero_allow_untested_optimizer", False),
+        prescale_gradients=values.get("prescale_gradients", False),
+        gradient_predivide_factor=values.get("gradient_predivide_factor", 1.0),
+        world_size=world_size,
+        memory_breakdown=values.get("memory_breakdown", False),
+        dump_state=values.get("dump_state", False),
+        disable_python_gc=values.get("disable_python_gc", False),
+        dataloader_drop_last=values.get("dataloader_drop_last", False),
+        log_level=values.get("log_level"),
+        vocabulary_size=values.get("vocabulary_size"),
+        checkpoint_tag_validation=values.get("_checkpoint", {}).get("tag_validation", "WARN"),
+        throughput_timer_enabled=timers.get("throughput_timer_enabled", True),
+        throughput_timer_synchronized=timers.get("throughput_timer_synchronized", True),
+        raw=copy.deepcopy(raw),
+    )
+
+
+# --------------------------------------------------------------------------------------
+# Documentation
+# --------------------------------------------------------------------------------------
+
+_DOC_SECTIONS: tuple[tuple[str, Mapping[str, _Rule]], ...] = (
+    ("top level", _TOP_RULES),
+    ("zero_optimization", _ZERO_RULES),
+    ("zero_optimization.offload_param", _OFFLOAD_PARAM_RULES),
+    ("zero_optimization.offload_optimizer", _OFFLOAD_OPTIMIZER_RULES),
+    ("zero_optimization.leaf_module", _LEAF_RULES),
+    ("bf16 / bfloat16", _BF16_RULES),
+    ("fp16", _FP16_RULES),
+    ("data_types", _DATA_TYPES_RULES),
+    ("checkpoint", _CHECKPOINT_RULES),
+    ("timers", _TIMERS_RULES),
+    ("timers.throughput", _THROUGHPUT_RULES),
+    ("optimizer", _OPTIMIZER_HEADER),
+    ("scheduler", _SCHEDULER_HEADER),
+)
+
+
+def describe_keys() -> list[tuple[str, str, str, str]]:
+    """Every known key as (section, key, "mapped"/"accepted"/"refused", explanation)."""
+    rows = []
+    for section, rules in _DOC_SECTIONS:
+        for key, rule in rules.items():
+            if isinstance(rule, _Map):
+                rows.append((section, key, "mapped", f"`{rule.field.lstrip('_')}`: {rule.doc}"))
+            elif isinstance(rule, _Only):
+                rows.append((section, key, "accepted: " + rule.shown,
+                             f"{rule.why}. Other values: {rule.fix}"))
+            else:
+                rows.append((section, key, "refused", f"{rule.why}. {rule.fix}"))
+    return rows

@@ -1,0 +1,342 @@
+"""Engine: forward / backward / step over a ZeRO-3 sharded model, DeepSpeed's API.
+
+Construction (in this order, on every rank):
+  config -> device and dtype -> rank 0's initial values broadcast -> ShardedParams
+  (each rank keeps its shard; non-persistent parameters released) -> fetch units and
+  hooks -> gradient reducer -> optimizer on fp32 master shards -> lr scheduler.
+
+Counters follow DeepSpeed: `micro_steps` counts engine.step() calls, `global_steps`
+optimizer steps, `global_samples` samples; `is_gradient_accumulation_boundary()` is
+true on the micro-step whose step() runs the optimizer.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import checkpoint as checkpoint_io
+from . import export
+from .accelerator import get_accelerator
+from .comm import Communicator
+from .config import Zero3Config
+from .fetch import Fetcher
+from .gathered import register_engine, unregister_engine
+from .optim import ShardedOptimizer
+from .optimizers import build_optimizer, build_scheduler
+from .partition import ParamState, ShardedParam
+from .reduce import GradReducer
+from .units import build_units, choose_persistent
+
+logger = logging.getLogger("zero3")
+
+
+class EngineError(RuntimeError):
+    """Misuse of the engine (wrong call order, missing optimizer, ...)."""
+
+
+class Engine:
+    """A model trained with ZeRO stage 3; `engine(batch)` runs its forward."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: Zero3Config,
+        optimizer: torch.optim.Optimizer | Callable | None = None,
+        model_parameters: Iterable | None = None,
+        lr_scheduler: Any = None,
+        comm: Communicator | None = None,
+    ) -> None:
+        self.config = config
+        self.comm = comm or Communicator()
+        self.accelerator = get_accelerator()
+        self.device = self.accelerator.device()
+        self.compute_dtype = config.precision.dtype
+        self.global_steps = 0
+        self.micro_steps = 0
+        self.global_samples = 0
+        self.skipped_steps = 0
+        self.module = self._prepare_module(model)
+        self.named_params = list(self.module.named_parameters())
+        self.table = self._shard_parameters()
+        self.param_names = {sp.param: sp.name for sp in self.table.values()}
+        self.units = build_units(self.module, self.table, config.zero.module_granularity_threshold)
+        reduce_dtype = config.precision.communication_data_type
+        self.master_device = (
+            torch.device("cpu") if config.zero.offload_optimizer.device == "cpu" else self.device
+        )
+        self.reducer = GradReducer(
+            list(self.table.values()),
+            self.comm,
+            bucket_numel=config.zero.reduce_bucket_size,
+            reduce_dtype=reduce_dtype,
+            grad_device=self.master_device,
+        )
+        self.fetcher = Fetcher(
+            self.module, self.table, self.units, self.comm, self.device, self.reducer.flush
+        )
+        client_optimizer = self._resolve_optimizer(optimizer, model_parameters)
+        self.optimizer = (
+            ShardedOptimizer(
+                client_optimizer, self.table, self.comm, self.master_device, config.gradient_clipping
+            )
+            if client_optimizer is not None
+            else None
+        )
+        self.lr_scheduler = self._resolve_scheduler(lr_scheduler)
+        register_engine(self)
+        self._destroyed = False
+
+    # ------------------------------------------------------------------ setup
+    def _prepare_module(self, model: nn.Module) -> nn.Module:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"zero3.initialize(model=...) expects an nn.Module, got {type(model).__name__}")
+        model.to(self.device)
+        if self.compute_dtype != torch.float32:
+            model.to(self.compute_dtype)
+        self._broadcast_from_rank0(list(model.parameters()) + list(model.buffers()))
+        return model
+
+    def _broadcast_from_rank0(self, tensors: list[torch.Tensor]) -> None:
+        """Rank 0's values everywhere: one broadcast per dtype over a flat copy."""
+        if not self.comm.active:
+            return
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in tensors:
+            if t.numel():
+                by_dtype.setdefault(t.dtype, []).append(t)
+        with torch.no_grad():
+            for group in by_dtype.values():
+                flat = torch.cat([t.detach().reshape(-1) for t in group])
+                self.comm.broadcast(flat, src=0)
+                offset = 0
+                for t in group:
+                    t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                    offset += t.numel()
+
+    def _shard_parameters(self) -> dict[nn.Parameter, ShardedParam]:
+        zero = self.config.zero
+        persistent = choose_persistent(
+            self.named_params, zero.param_persistence_threshold, zero.model_persistence_threshold
+        )
+        shard_device = torch.device("cpu") if zero.offload_param.device == "cpu" else self.device
+        table: dict[nn.Parameter, ShardedParam] = {}
+        for name, p in self.named_params:
+            _give_exclusive_storage(p)
+            table[p] = ShardedParam(
+                p, name, self.comm.rank, self.comm.world_size, id(p) in persistent, shard_device
+            )
+        for sp in table.values():
+            if not sp.persistent:
+                sp.release()
+        return table
+
+    def _resolve_optimizer(self, optimizer, model_parameters) -> torch.optim.Optimizer | None:
+        spec = self.config.optimizer
+        if optimizer is not None and spec is not None:
+            raise EngineError(
+                "both a client optimizer and the config's 'optimizer' section were given; "
+                "remove one of them (DeepSpeed refuses this too)"
+            )
+        params = list(model_parameters) if model_parameters is not None else None
+        if params is None:
+            params = [p for p in self.module.parameters() if p.requires_grad]
+        if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
+            optimizer = optimizer(params)
+        if optimizer is None and spec is not None:
+            optimizer = build_optimizer(spec, params)
+        return optimizer
+
+    def _resolve_scheduler(self, lr_scheduler):
+        spec = self.config.scheduler
+        if lr_scheduler is not None and spec is not None:
+            raise EngineError(
+                "both a client lr_scheduler and the config's 'scheduler' section were given; "
+                "remove one of them"
+            )
+        if lr_scheduler is None and spec is not None:
+            if self.optimizer is None:
+                raise EngineError("the config's 'scheduler' section needs an optimizer")
+            return build_scheduler(spec, self.optimizer.optimizer)
+        if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
+            if self.optimizer is None:
+                raise EngineError("an lr_scheduler factory needs an optimizer")
+            return lr_scheduler(self.optimizer.optimizer)
+        return lr_scheduler
+
+    # ------------------------------------------------------------ training API
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._check_alive()
+        return self.module(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
+        """Backpropagate `loss` (divided by the accumulation steps, as DeepSpeed does)."""
+        self._check_alive()
+        if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
+            raise EngineError(
+                f"engine.backward(loss) needs a tensor that requires grad, got {type(loss).__name__}"
+                + (" without grad" if isinstance(loss, torch.Tensor) else "")
+                + "; did the forward run under torch.no_grad() or eval-only code?"
+            )
+        scaled = loss
+        steps = self.config.gradient_accumulation_steps
+        if scale_wrt_gas and steps > 1:
+            scaled = loss / steps
+        scaled.backward(retain_graph=retain_graph)
+        self.reducer.flush()
+        return loss
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
+
+    def step(self, lr_kwargs: dict | None = None) -> None:
+        """End of a micro-step; at the accumulation boundary, the optimizer steps."""
+        self._check_alive()
+        if self.is_gradient_accumulation_boundary():
+            if self.optimizer is None:
+                raise EngineError(
+                    "engine.step() at an accumulation boundary needs an optimizer: pass "
+                    "optimizer= to zero3.initialize or add an 'optimizer' config section"
+                )
+            self.reducer.flush()
+            self.optimizer.step()
+            self._refresh_resident()
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step(**(lr_kwargs or {}))
+            self.global_steps += 1
+        self.micro_steps += 1
+        self.global_samples += self.config.train_micro_batch_size_per_gpu * self.comm.world_size
+
+    def _refresh_resident(self) -> None:
+        """Resident parameters get their new values from every rank's updated shard."""
+        resident = [sp for sp in self.optimizer.params if sp.persistent and sp.numel]
+        by_dtype: dict[torch.dtype, list[ShardedParam]] = {}
+        for sp in resident:
+            by_dtype.setdefault(sp.dtype, []).append(sp)
+        for dtype, group in by_dtype.items():
+            total = sum(sp.shard_numel for sp in group)
+            send = torch.cat([sp.shard.to(self.device) for sp in group])
+            recv = torch.empty(self.comm.world_size * total, dtype=dtype, device=self.device)
+            self.comm.all_gather_into(recv, send)
+            rows = recv.view(self.comm.world_size, total)
+            offset = 0
+            for sp in group:
+                sp.refresh(rows[:, offset:offset + sp.shard_numel])
+                offset += sp.shard_numel
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop accumulated gradients (the optimizer step does this by itself)."""
+        self.reducer.pending.clear()
+        self.reducer.pending_numel = 0
+        for sp in self.table.values():
+            sp.grad_shard = None
+            sp.param.grad = None
+
+    def train(self, mode: bool = True) -> "Engine":
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> "Engine":
+        self.module.eval()
+        return self
+
+    # --------------------------------------------------------------- queries
+    def get_lr(self) -> list[float]:
+        if self.optimizer is None:
+            return []
+        return [group["lr"] for group in self.optimizer.optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> float | None:
+        return None if self.optimizer is None else self.optimizer.last_grad_norm
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.gradient_accumulation_steps
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.config.train_micro_batch_size_per_gpu
+
+    def train_batch_size(self) -> int:
+        return self.config.train_batch_size
+
+    def comm_stats(self) -> dict[str, tuple[int, int]]:
+        """op name -> (calls, bytes), cumulative since initialize."""
+        return self.comm.counters.snapshot()
+
+    @property
+    def late_gathers(self) -> int:
+        """Gathers the backward safety net had to make (zero on ordinary models)."""
+        return self.fetcher.late_gathers
+
+    @property
+    def world_size(self) -> int:
+        return self.comm.world_size
+
+    @property
+    def global_rank(self) -> int:
+        return self.comm.rank
+
+    def sharded_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds for parameters, gradients and optimizer state."""
+        return export.held_bytes(self)
+
+    # ------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True,
+                        exclude_frozen_parameters: bool = False) -> bool:
+        self._check_alive()
+        return checkpoint_io.save(self, save_dir, tag, client_state or {}, save_latest,
+                                  exclude_frozen_parameters)
+
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False):
+        self._check_alive()
+        return checkpoint_io.load(
+            self, load_dir, tag, load_module_strict, load_optimizer_states,
+            load_lr_scheduler_states, load_module_only,
+        )
+
+    def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.safetensors",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        self._check_alive()
+        return export.save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
+
+    # -------------------------------------------------------------- lifetime
+    def destroy(self) -> None:
+        """Remove every hook; gather the parameters back so the module is plain again."""
+        if self._destroyed:
+            return
+        self.fetcher.release_all()
+        self.fetcher.gather(self.table.values())
+        self.fetcher.remove()
+        self.reducer.remove()
+        unregister_engine(self)
+        self._destroyed = True
+
+    def _check_alive(self) -> None:
+        if self._destroyed:
+            raise EngineError("this engine was destroyed; build a new one with zero3.initialize")
+
+    def named_sharded_params(self) -> list[tuple[str, ShardedParam]]:
+        return [(sp.name, sp) for sp in self.table.values()]
+
+    def is_resident(self, param: nn.Parameter) -> bool:
+        sp = self.table[param]
+        return sp.state is ParamState.FULL
+
+
+def _give_exclusive_storage(p: nn.Parameter) -> None:
+    """Make `p` the sole, contiguous owner of its storage, so releasing it frees it."""
+    exclusive = (
+        p.is_contiguous()
+        and p.storage_offset() == 0
+        and p.untyped_storage().nbytes() == p.numel() * p.element_size()
+    )
+    if not exclusive:
+        p.data = p.data.clone(memory_format=torch.contiguous_format)

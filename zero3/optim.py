@@ -1,0 +1,117 @@
+"""fp32 master shards, the client optimizer remapped onto them, clipping.
+
+Memory ownership: `ShardedOptimizer` owns one fp32 master shard per trainable parameter
+(`masters[i]` pairs with `params[i]`). When the compute dtype is fp32 and the master lives
+on the same device as the shard, the master *is* the compute shard (no second copy).
+The client optimizer's param groups are rewritten in place to hold the masters, so its
+hyper-parameters, its identity (lr schedulers hold it) and its state_dict format are kept;
+its per-parameter state (exp_avg, ...) is therefore shard-sized.
+
+Step, at the gradient-accumulation boundary:
+  grads (ShardedParam.grad_shard) -> master.grad; optional global-norm clipping;
+  optimizer.step(); master -> compute shard; resident parameters re-gathered;
+  grads dropped.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+from .comm import Communicator
+from .partition import ShardedParam
+
+
+class OptimizerSetupError(ValueError):
+    """The client optimizer cannot be mapped onto the model's shards."""
+
+
+class ShardedOptimizer:
+    """The client optimizer, stepping on this rank's fp32 master shards."""
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        table: dict[torch.nn.Parameter, ShardedParam],
+        comm: Communicator,
+        master_device: torch.device,
+        gradient_clipping: float,
+    ) -> None:
+        self.optimizer = optimizer
+        self.comm = comm
+        self.master_device = master_device
+        self.gradient_clipping = gradient_clipping
+        self.params: list[ShardedParam] = []
+        self.masters: list[torch.Tensor] = []
+        self.last_grad_norm: float | None = None
+        self._remap_param_groups(table)
+
+    # ------------------------------------------------------------------ setup
+    def _master_for(self, sp: ShardedParam) -> torch.Tensor:
+        shares_storage = sp.shard.dtype == torch.float32 and sp.shard.device == self.master_device
+        return sp.shard if shares_storage else sp.shard.to(self.master_device, torch.float32, copy=True)
+
+    def _remap_param_groups(self, table: dict[torch.nn.Parameter, ShardedParam]) -> None:
+        if self.optimizer.state:
+            raise OptimizerSetupError(
+                "the optimizer passed to zero3.initialize already has state (it has stepped); "
+                "build it fresh over model.parameters() and pass it before the first step"
+            )
+        for index, group in enumerate(self.optimizer.param_groups):
+            masters = []
+            for p in group["params"]:
+                sp = table.get(p)
+                if sp is None:
+                    raise OptimizerSetupError(
+                        f"param group {index} of the optimizer holds a tensor of shape "
+                        f"{tuple(p.shape)} that is not a parameter of the model; build the "
+                        "optimizer over model.parameters() (or a subset of them)"
+                    )
+                if not sp.requires_grad:
+                    continue  # frozen: never has a gradient, needs no master
+                self.params.append(sp)
+                master = self._master_for(sp)
+                self.masters.append(master)
+                masters.append(master)
+            group["params"] = masters
+
+    # ------------------------------------------------------------------- step
+    def global_grad_norm(self) -> float:
+        """L2 norm of the full gradient: each element lives in exactly one rank's shard."""
+        local = torch.zeros((), dtype=torch.float64)
+        for sp in self.params:
+            if sp.grad_shard is not None:
+                local += sp.grad_shard.double().pow(2).sum().cpu()
+        self.comm.all_reduce(local)
+        return math.sqrt(float(local))
+
+    def step(self, before_update: Callable[[], None] | None = None) -> None:
+        """One optimizer step over the shards; grads are consumed."""
+        for sp, master in zip(self.params, self.masters):
+            master.grad = sp.grad_shard
+        self.last_grad_norm = self.global_grad_norm()
+        if self.gradient_clipping > 0:
+            coefficient = self.gradient_clipping / (self.last_grad_norm + 1e-6)
+            if coefficient < 1.0:
+                for master in self.masters:
+                    if master.grad is not None:
+                        master.grad.mul_(coefficient)
+        self.optimizer.step()
+        with torch.no_grad():
+            for sp, master in zip(self.params, self.masters):
+                if master is not sp.shard:
+                    sp.shard.copy_(master)
+        self.zero_grad()
+
+    def zero_grad(self) -> None:
+        for sp, master in zip(self.params, self.masters):
+            sp.grad_shard = None
+            master.grad = None
+
+    def master_of(self, sp: ShardedParam) -> torch.Tensor | None:
+        for candidate, master in zip(self.params, self.masters):
+            if candidate is sp:
+                return master
+        return None

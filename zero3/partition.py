@@ -1,0 +1,167 @@
+"""ShardedParam: the layout of one parameter's shard and its state machine.
+
+Layout: the parameter is flattened and padded to `shard_numel * world_size` elements;
+rank r owns elements [r * shard_numel, (r + 1) * shard_numel). Elements at or past
+`numel` are padding: zero in the shard, never written to the parameter, never saved.
+
+Memory ownership:
+- `shard` (compute dtype, on `shard_device`) is owned by this object and is the
+  persistent copy of this rank's slice of the parameter's values.
+- The `nn.Parameter`'s own storage holds the full values only while the state is FULL.
+  In SHARDED its storage is resized to zero bytes, but the tensor keeps its shape, dtype
+  and device, so `p.shape`, `p.numel()` and `p.dtype` stay honest.
+- `grad_shard` (fp32, same device as the optimizer's master) accumulates this rank's
+  slice of the averaged gradient; it is owned here and handed to the optimizer.
+
+State transitions, and only these, are done by the methods below; each checks the state
+it starts from:  SHARDED --begin_gather--> GATHERING --finish_gather--> FULL --release--> SHARDED
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+
+import torch
+
+
+class ParamState(enum.Enum):
+    SHARDED = "sharded"
+    GATHERING = "gathering"
+    FULL = "full"
+
+
+class StateError(RuntimeError):
+    """A transition was asked for from the wrong state: an engine invariant is broken."""
+
+
+class ShardedParam:
+    """One managed parameter: its shard, its gradient shard and its gather state."""
+
+    def __init__(
+        self,
+        param: torch.nn.Parameter,
+        name: str,
+        rank: int,
+        world_size: int,
+        persistent: bool,
+        shard_device: torch.device,
+    ) -> None:
+        self.param = param
+        self.name = name
+        self.rank = rank
+        self.world_size = world_size
+        self.numel = param.numel()
+        self.shape = param.shape
+        self.dtype = param.dtype
+        self.shard_numel = math.ceil(self.numel / world_size) if self.numel else 0
+        # A zero-size parameter has nothing to gather: it is simply always resident.
+        self.persistent = persistent or self.numel == 0
+        self.shard_device = shard_device
+        self.state = ParamState.FULL
+        self.holds = 0
+        self.shard = self._take_local_shard()
+        self.grad_shard: torch.Tensor | None = None
+
+    # ----------------------------------------------------------------- layout
+    @property
+    def padded_numel(self) -> int:
+        return self.shard_numel * self.world_size
+
+    @property
+    def requires_grad(self) -> bool:
+        return self.param.requires_grad
+
+    def range_of(self, rank: int) -> tuple[int, int]:
+        """[start, end) of the unpadded elements that `rank` owns (possibly empty)."""
+        start = min(rank * self.shard_numel, self.numel)
+        return start, min(start + self.shard_numel, self.numel)
+
+    @property
+    def local_valid_numel(self) -> int:
+        start, end = self.range_of(self.rank)
+        return end - start
+
+    def padded_flat(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` flattened and zero-padded to padded_numel (a new tensor if padding)."""
+        flat = tensor.reshape(-1)
+        pad = self.padded_numel - self.numel
+        return torch.nn.functional.pad(flat, (0, pad)) if pad else flat
+
+    def _take_local_shard(self) -> torch.Tensor:
+        start = self.rank * self.shard_numel
+        flat = self.padded_flat(self.param.detach())
+        return flat[start:start + self.shard_numel].to(self.shard_device, copy=True)
+
+    # ------------------------------------------------------------ transitions
+    def _expect(self, state: ParamState, verb: str) -> None:
+        if self.state is not state:
+            raise StateError(
+                f"{verb}({self.name}): parameter is {self.state.value}, expected {state.value}"
+            )
+
+    def release(self) -> None:
+        """FULL -> SHARDED: free the full storage; metadata stays."""
+        self._expect(ParamState.FULL, "release")
+        if self.persistent:
+            raise StateError(f"release({self.name}): persistent parameters stay full")
+        self.param.untyped_storage().resize_(0)
+        self.state = ParamState.SHARDED
+
+    def begin_gather(self) -> None:
+        """SHARDED -> GATHERING: allocate the full storage back (values not yet valid)."""
+        self._expect(ParamState.SHARDED, "begin_gather")
+        self.param.untyped_storage().resize_(self.numel * self.param.element_size())
+        self.state = ParamState.GATHERING
+
+    def finish_gather(self, rows: torch.Tensor) -> None:
+        """GATHERING -> FULL: write the gathered values in place.
+
+        `rows` is a [world_size, shard_numel] view of the all-gather output (row r is rank
+        r's shard). The write does not bump autograd's version counter, so tensors saved
+        in forward are valid again once the parameter is gathered for backward.
+        """
+        self._expect(ParamState.GATHERING, "finish_gather")
+        self.write_rows(rows)
+        self.state = ParamState.FULL
+
+    def refresh(self, rows: torch.Tensor) -> None:
+        """FULL -> FULL: new values after an optimizer step, for resident parameters."""
+        self._expect(ParamState.FULL, "refresh")
+        self.write_rows(rows)
+
+    def write_rows(self, rows: torch.Tensor) -> None:
+        """Copy the unpadded part of `rows` ([world_size, shard_numel]) into the parameter."""
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.param):
+            copy_rows(self.param.data.view(-1), rows, self.shard_numel, into_rows=False)
+
+    def pack_rows(self, flat: torch.Tensor, rows: torch.Tensor) -> None:
+        """Copy `flat` (numel values) into a zeroed [world_size, shard_numel] block `rows`."""
+        copy_rows(flat.reshape(-1), rows, self.shard_numel, into_rows=True)
+
+    def __repr__(self) -> str:
+        return (
+            f"ShardedParam({self.name}, numel={self.numel}, shard={self.shard_numel}, "
+            f"state={self.state.value}, persistent={self.persistent})"
+        )
+
+
+def copy_rows(flat: torch.Tensor, rows: torch.Tensor, shard_numel: int, into_rows: bool) -> None:
+    """Move values between a flat tensor of numel elements and its padded row layout.
+
+    Row r of `rows` holds flat[r * shard_numel:(r + 1) * shard_numel]; the last rows may
+    be partly or wholly padding. At most two copies, whatever the world size.
+    """
+    numel = flat.numel()
+    if numel == 0:
+        return
+    full_rows = numel // shard_numel
+    remainder = numel - full_rows * shard_numel
+    pairs = [(flat[: full_rows * shard_numel].view(full_rows, shard_numel), rows[:full_rows])]
+    if remainder:
+        pairs.append((flat[full_rows * shard_numel:], rows[full_rows, :remainder]))
+    for flat_part, row_part in pairs:
+        if into_rows:
+            row_part.copy_(flat_part)
+        else:
+            flat_part.copy_(row_part)

@@ -1,0 +1,96 @@
+"""Gradient hooks, bucketed reduce-scatter into shard gradients, accumulation.
+
+When autograd has accumulated a parameter's full gradient (post-accumulate-grad hook),
+the gradient is copied into the pending bucket and `param.grad` is set to None at once,
+so no full gradient outlives its hook. A bucket is reduce-scattered (mean over ranks)
+when it reaches `bucket_numel` elements and at the end of every backward; each rank adds
+its slice into `ShardedParam.grad_shard` (fp32), which therefore accumulates over the
+micro-steps of a gradient-accumulation window.
+
+Memory ownership: the bucket's staging buffer is owned here and lives only during a
+flush; `grad_shard` tensors are owned by their ShardedParam and zeroed (set to None) by
+the optimizer after a step.
+
+Collective order: buckets fill in autograd's execution order, which is the same on every
+rank for the same graph, so every rank issues the same reduce-scatters in the same order.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .comm import Communicator
+from .partition import ShardedParam
+
+
+class GradReducer:
+    """Turns full parameter gradients into averaged fp32 shard gradients."""
+
+    def __init__(
+        self,
+        params: list[ShardedParam],
+        comm: Communicator,
+        bucket_numel: int,
+        reduce_dtype: torch.dtype | None,
+        grad_device: torch.device,
+    ) -> None:
+        self.comm = comm
+        self.bucket_numel = max(int(bucket_numel), 1)
+        self.reduce_dtype = reduce_dtype
+        self.grad_device = grad_device
+        self.pending: list[tuple[ShardedParam, torch.Tensor]] = []
+        self.pending_numel = 0
+        self.table = {sp.param: sp for sp in params}
+        self._handles = [
+            sp.param.register_post_accumulate_grad_hook(self._on_grad_accumulated)
+            for sp in params
+            if sp.requires_grad
+        ]
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _on_grad_accumulated(self, param: torch.nn.Parameter) -> None:
+        sp = self.table[param]
+        grad = param.grad
+        param.grad = None
+        if grad is None:
+            return
+        self.pending.append((sp, grad))
+        self.pending_numel += sp.padded_numel
+        if self.pending_numel >= self.bucket_numel:
+            self.flush()
+
+    def flush(self) -> None:
+        """Reduce-scatter the pending bucket, one collective per gradient dtype."""
+        if not self.pending:
+            return
+        pending, self.pending, self.pending_numel = self.pending, [], 0
+        by_dtype: dict[torch.dtype, list[tuple[ShardedParam, torch.Tensor]]] = {}
+        for sp, grad in pending:
+            dtype = self.reduce_dtype or grad.dtype
+            by_dtype.setdefault(dtype, []).append((sp, grad))
+        for dtype, group in by_dtype.items():
+            self._reduce_group(group, dtype)
+
+    def _reduce_group(self, group: list[tuple[ShardedParam, torch.Tensor]], dtype: torch.dtype) -> None:
+        world = self.comm.world_size
+        total = sum(sp.shard_numel for sp, _ in group)
+        device = group[0][1].device
+        staging = torch.zeros(world, total, dtype=dtype, device=device)
+        offset = 0
+        for sp, grad in group:
+            sp.pack_rows(grad, staging[:, offset:offset + sp.shard_numel])
+            offset += sp.shard_numel
+        reduced = torch.empty(total, dtype=dtype, device=device)
+        self.comm.reduce_scatter_mean(reduced, staging.view(-1))
+        offset = 0
+        for sp, _ in group:
+            piece = reduced[offset:offset + sp.shard_numel]
+            offset += sp.shard_numel
+            if sp.grad_shard is None:
+                sp.grad_shard = piece.to(self.grad_device, torch.float32, copy=True)
+            else:
+                sp.grad_shard.add_(piece.to(self.grad_device, torch.float32))
