@@ -88,5 +88,6 @@ def config(micro_batch: int, ga: int, threshold: int = 30, **zero) -> dict:
     return {
         "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": ga,
+        "gradient_clipping": 0.0,
         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": threshold, **zero},
     }

@@ -462,11 +462,6 @@ def _bool(key: str, value: Any) -> bool:
     return value
 
 
-def _bool_or_none(default: bool) -> Converter:
-    """Converter: true / false, or null for DeepSpeed's default."""
-    return lambda key, value: default if value is None else _bool(key, value)
-
-
 def _choice(options: Mapping[str, Any], fold: Callable[[str], str] = str.lower) -> Converter:
     """Converter: one of ``options`` (compared after ``fold``), mapped to its value."""
     def convert(key: str, value: Any) -> Any:
@@ -1203,7 +1198,7 @@ _TOP_RULES: dict[str, _Rule] = {
                                       "provide", "Use torch.utils.checkpoint (reentrant or not); "
                                       "remove the block."),
     "aio": _Only(_defaults_only(_AIO_DEFAULTS), _shown_defaults(_AIO_DEFAULTS),
-                 f"aio configures {_NVME}", _REMOVE),
+                 "aio configures NVMe offload, which zero3 does not support", _REMOVE),
     "pipeline": _Only(_defaults_only(_PIPELINE_DEFAULTS), _shown_defaults(_PIPELINE_DEFAULTS),
                       "pipeline parallelism is not implemented", _REMOVE),
     "tensor_parallel": _Only(_no_tensor_parallel, "{} or {\"autotp_size\": 0 or 1}",
@@ -1373,33 +1368,47 @@ def from_deepspeed(config: "dict | str | os.PathLike", world_size: int) -> Zero3
 # Documentation
 # --------------------------------------------------------------------------------------
 
-_DOC_SECTIONS: tuple[tuple[str, Mapping[str, _Rule]], ...] = (
-    ("top level", _TOP_RULES),
-    ("zero_optimization", _ZERO_RULES),
-    ("zero_optimization.offload_param", _OFFLOAD_PARAM_RULES),
-    ("zero_optimization.offload_optimizer", _OFFLOAD_OPTIMIZER_RULES),
-    ("zero_optimization.leaf_module", _LEAF_RULES),
-    ("bf16 / bfloat16", _BF16_RULES),
-    ("fp16", _FP16_RULES),
-    ("data_types", _DATA_TYPES_RULES),
-    ("checkpoint", _CHECKPOINT_RULES),
-    ("timers", _TIMERS_RULES),
-    ("timers.throughput", _THROUGHPUT_RULES),
-    ("optimizer", _OPTIMIZER_HEADER),
-    ("scheduler", _SCHEDULER_HEADER),
+# (heading, rules, where mapped fields land in Zero3Config)
+_DOC_SECTIONS: tuple[tuple[str, Mapping[str, _Rule], str], ...] = (
+    ("top level", _TOP_RULES, ""),
+    ("zero_optimization", _ZERO_RULES, "zero."),
+    ("zero_optimization.offload_param", _OFFLOAD_PARAM_RULES, "zero.offload_param."),
+    ("zero_optimization.offload_optimizer", _OFFLOAD_OPTIMIZER_RULES, "zero.offload_optimizer."),
+    ("zero_optimization.leaf_module", _LEAF_RULES, "zero.leaf_module."),
+    ("bf16 / bfloat16", _BF16_RULES, "precision."),
+    ("fp16", _FP16_RULES, "precision."),
+    ("data_types", _DATA_TYPES_RULES, ""),
+    ("checkpoint", _CHECKPOINT_RULES, ""),
+    ("timers", _TIMERS_RULES, ""),
+    ("timers.throughput", _THROUGHPUT_RULES, ""),
+    ("optimizer", _OPTIMIZER_HEADER, "optimizer."),
+    ("scheduler", _SCHEDULER_HEADER, "scheduler."),
 )
+
+# Where the sections that are folded into other fields end up.
+_DOC_FIELDS = {
+    "_bf16": "precision", "_fp16": "precision", "_comm_dtype": "precision.communication_data_type",
+    "_data_types": "checked against precision.dtype", "_timers": "throughput_timer_*",
+    "_checkpoint": "checkpoint_tag_validation", "enabled": "precision.dtype",
+    "check_grad_overflow": "precision.check_grad_overflow", "param_dtype": "checked against precision.dtype",
+    "tag_validation": "checkpoint_tag_validation", "throughput": "throughput_timer_*",
+}
 
 
 def describe_keys() -> list[tuple[str, str, str, str]]:
-    """Every known key as (section, key, "mapped"/"accepted"/"refused", explanation)."""
+    """Every known key as (section, key, rule, explanation), for docs/config.md."""
     rows = []
-    for section, rules in _DOC_SECTIONS:
+    for section, rules, prefix in _DOC_SECTIONS:
         for key, rule in rules.items():
             if isinstance(rule, _Map):
-                rows.append((section, key, "mapped", f"`{rule.field.lstrip('_')}`: {rule.doc}"))
+                where = _DOC_FIELDS.get(rule.field) if rule.field.startswith("_") or not prefix \
+                    or rule.field in ("enabled", "check_grad_overflow") else None
+                where = where or prefix + rule.field
+                shown = where if " " in where else f"`{where}`"
+                rows.append((section, key, "mapped", f"{shown}: {rule.doc}"))
             elif isinstance(rule, _Only):
-                rows.append((section, key, "accepted: " + rule.shown,
-                             f"{rule.why}. Other values: {rule.fix}"))
+                other = "" if rule.shown == "true or false" else f" Other values: {rule.fix}"
+                rows.append((section, key, "accepted: " + rule.shown, f"{rule.why}.{other}"))
             else:
                 rows.append((section, key, "refused", f"{rule.why}. {rule.fix}"))
     return rows

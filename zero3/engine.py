@@ -56,6 +56,11 @@ class Engine:
         self.accelerator = get_accelerator()
         self.device = self.accelerator.device()
         self.compute_dtype = config.precision.dtype
+        if self.compute_dtype == torch.float16:
+            raise EngineError(
+                "fp16 training (dynamic loss scaling) is not available yet; use bf16 "
+                "({'bf16': {'enabled': true}}) or fp32"
+            )
         self.global_steps = 0
         self.micro_steps = 0
         self.global_samples = 0
@@ -65,7 +70,7 @@ class Engine:
         self.table = self._shard_parameters()
         self.param_names = {sp.param: sp.name for sp in self.table.values()}
         self.units = build_units(self.module, self.table, config.zero.module_granularity_threshold)
-        reduce_dtype = config.precision.communication_data_type
+        reduce_dtype = config.precision.reduce_dtype
         self.master_device = (
             torch.device("cpu") if config.zero.offload_optimizer.device == "cpu" else self.device
         )
@@ -82,7 +87,8 @@ class Engine:
         client_optimizer = self._resolve_optimizer(optimizer, model_parameters)
         self.optimizer = (
             ShardedOptimizer(
-                client_optimizer, self.table, self.comm, self.master_device, config.gradient_clipping
+                client_optimizer, self.table, self.comm, self.master_device, config.gradient_clipping,
+                check_overflow=config.precision.check_grad_overflow,
             )
             if client_optimizer is not None
             else None
@@ -97,7 +103,10 @@ class Engine:
             raise TypeError(f"zero3.initialize(model=...) expects an nn.Module, got {type(model).__name__}")
         model.to(self.device)
         if self.compute_dtype != torch.float32:
-            model.to(self.compute_dtype)
+            # Parameters only, as DeepSpeed: buffers keep their dtype.
+            for p in model.parameters():
+                if p.is_floating_point():
+                    p.data = p.data.to(self.compute_dtype)
         self._broadcast_from_rank0(list(model.parameters()) + list(model.buffers()))
         return model
 
@@ -206,10 +215,14 @@ class Engine:
                     "optimizer= to zero3.initialize or add an 'optimizer' config section"
                 )
             self.reducer.flush()
-            self.optimizer.step()
-            self._refresh_resident()
-            if self.lr_scheduler is not None:
-                self.lr_scheduler.step(**(lr_kwargs or {}))
+            if self.optimizer.step():
+                self._refresh_resident()
+                if self.lr_scheduler is not None:
+                    self.lr_scheduler.step(**(lr_kwargs or {}))
+            else:
+                self.skipped_steps += 1
+                logger.warning("zero3: gradient overflow (norm %s) at step %d; step skipped",
+                               self.optimizer.last_grad_norm, self.global_steps)
             self.global_steps += 1
         self.micro_steps += 1
         self.global_samples += self.config.train_micro_batch_size_per_gpu * self.comm.world_size

@@ -116,7 +116,8 @@ def _warmup_fraction(warmup_type: str, it: int, warmup_num_steps: int) -> float:
     * ``linear``: it / W
     """
     if warmup_type == WARMUP_LOG_RATE:
-        return math.log(it + 1) / math.log(warmup_num_steps)
+        # (1 / log W) * log(it + 1): the same rounding as DeepSpeed, so curves match bit for bit
+        return (1.0 / math.log(warmup_num_steps)) * math.log(it + 1)
     return it / warmup_num_steps
 
 

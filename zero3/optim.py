@@ -16,7 +16,6 @@ Step, at the gradient-accumulation boundary:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import torch
 
@@ -38,11 +37,13 @@ class ShardedOptimizer:
         comm: Communicator,
         master_device: torch.device,
         gradient_clipping: float,
+        check_overflow: bool = False,
     ) -> None:
         self.optimizer = optimizer
         self.comm = comm
         self.master_device = master_device
         self.gradient_clipping = gradient_clipping
+        self.check_overflow = check_overflow
         self.params: list[ShardedParam] = []
         self.masters: list[torch.Tensor] = []
         self.last_grad_norm: float | None = None
@@ -87,11 +88,19 @@ class ShardedOptimizer:
         self.comm.all_reduce(local)
         return math.sqrt(float(local))
 
-    def step(self, before_update: Callable[[], None] | None = None) -> None:
-        """One optimizer step over the shards; grads are consumed."""
+    def step(self) -> bool:
+        """One optimizer step over the shards; grads are consumed.
+
+        Returns False (and changes nothing but the gradients, which are dropped) when
+        overflow checking is on and the global gradient norm is inf or nan.
+        """
         for sp, master in zip(self.params, self.masters):
-            master.grad = sp.grad_shard
+            # A trainable parameter unused in this window gets a zero gradient (as DeepSpeed).
+            master.grad = sp.grad_shard if sp.grad_shard is not None else torch.zeros_like(master)
         self.last_grad_norm = self.global_grad_norm()
+        if self.check_overflow and not math.isfinite(self.last_grad_norm):
+            self.zero_grad()
+            return False
         if self.gradient_clipping > 0:
             coefficient = self.gradient_clipping / (self.last_grad_norm + 1e-6)
             if coefficient < 1.0:
@@ -104,6 +113,7 @@ class ShardedOptimizer:
                 if master is not sp.shard:
                     sp.shard.copy_(master)
         self.zero_grad()
+        return True
 
     def zero_grad(self) -> None:
         for sp, master in zip(self.params, self.masters):

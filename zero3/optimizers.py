@@ -1,38 +1,24 @@
 """The config's `optimizer` and `scheduler` sections, built as torch objects.
 
-DeepSpeed's names: "Adam" is Adam with decoupled weight decay (AdamW) unless
-`adam_w_mode` is false; "AdamW" is AdamW; "SGD" is SGD. `torch_adam` and `fused` choose an
-implementation in DeepSpeed; here torch's own (foreach) implementation always runs.
+config.py resolves DeepSpeed's names ("Adam" is AdamW unless `adam_w_mode` is false) and
+strips DeepSpeed-only params; this file only builds the objects.
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import torch
 
 from .config import ComponentSpec, ConfigError
 
-_IMPLEMENTATION_CHOICES = ("torch_adam", "fused", "adam_w_mode")
-
-
 def build_optimizer(spec: ComponentSpec, params: list) -> torch.optim.Optimizer:
-    kind = spec.type.lower()
-    kwargs: dict[str, Any] = {k: v for k, v in spec.params.items() if k not in _IMPLEMENTATION_CHOICES}
-    if "betas" in kwargs:
-        kwargs["betas"] = tuple(kwargs["betas"])
+    """The torch optimizer the config names (`spec.resolved`), over `params`."""
+    cls = getattr(torch.optim, spec.resolved, None)
+    if cls is None:
+        raise ConfigError(f"optimizer type {spec.type!r} is not supported; use Adam, AdamW or SGD")
     try:
-        if kind == "adam":
-            decoupled = bool(spec.params.get("adam_w_mode", True))
-            cls = torch.optim.AdamW if decoupled else torch.optim.Adam
-            return cls(params, **kwargs)
-        if kind == "adamw":
-            return torch.optim.AdamW(params, **kwargs)
-        if kind == "sgd":
-            return torch.optim.SGD(params, **kwargs)
-    except TypeError as exc:
+        return cls(params, **spec.kwargs)
+    except (TypeError, ValueError) as exc:
         raise ConfigError(f"optimizer section {spec.type!r}: bad params {spec.params} ({exc})") from exc
-    raise ConfigError(f"optimizer type {spec.type!r} is not supported; use Adam, AdamW or SGD")
 
 
 def build_scheduler(spec: ComponentSpec, optimizer: torch.optim.Optimizer):
@@ -45,6 +31,6 @@ def build_scheduler(spec: ComponentSpec, optimizer: torch.optim.Optimizer):
             "or pass lr_scheduler= to zero3.initialize"
         )
     try:
-        return cls(optimizer, **spec.params)
+        return cls(optimizer, **spec.kwargs)
     except TypeError as exc:
         raise ConfigError(f"scheduler section {spec.type!r}: bad params {spec.params} ({exc})") from exc
