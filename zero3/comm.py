@@ -55,13 +55,13 @@ class Communicator:
         self.counters.record("all_gather", shard)
         dist.all_gather_single(output, shard, group=self.group)
 
-    def reduce_scatter_mean(self, output: torch.Tensor, full: torch.Tensor) -> None:
-        """output = mean over ranks of full[rank * n:(rank + 1) * n], n = output.numel()."""
+    def reduce_scatter_sum(self, output: torch.Tensor, full: torch.Tensor) -> None:
+        """output = sum over ranks of full[rank * n:(rank + 1) * n], n = output.numel()."""
         if not self.active:
             output.copy_(full)
             return
         self.counters.record("reduce_scatter", full)
-        dist.reduce_scatter_single(output, full, op=dist.ReduceOp.AVG, group=self.group)
+        dist.reduce_scatter_single(output, full, op=dist.ReduceOp.SUM, group=self.group)
 
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> None:
         if not self.active:

@@ -29,10 +29,18 @@ from .gathered import register_engine, unregister_engine
 from .optim import ShardedOptimizer
 from .optimizers import build_optimizer, build_scheduler
 from .partition import ParamState, ShardedParam
+from .precision import LossScaler
+from .timers import StepTimers
 from .reduce import GradReducer
 from .units import build_units, choose_persistent
 
 logger = logging.getLogger("zero3")
+
+
+ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = (
+    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, torch.optim.Adamax,
+    torch.optim.RMSprop, torch.optim.NAdam, torch.optim.RAdam, torch.optim.Rprop, torch.optim.ASGD,
+)
 
 
 class EngineError(RuntimeError):
@@ -56,11 +64,10 @@ class Engine:
         self.accelerator = get_accelerator()
         self.device = self.accelerator.device()
         self.compute_dtype = config.precision.dtype
-        if self.compute_dtype == torch.float16:
-            raise EngineError(
-                "fp16 training (dynamic loss scaling) is not available yet; use bf16 "
-                "({'bf16': {'enabled': true}}) or fp32"
-            )
+        self.loss_scaler = (
+            LossScaler.from_precision(config.precision) if self.compute_dtype == torch.float16 else None
+        )
+        self.timers = StepTimers(enabled=config.wall_clock_breakdown)
         self.global_steps = 0
         self.micro_steps = 0
         self.global_samples = 0
@@ -80,6 +87,8 @@ class Engine:
             bucket_numel=config.zero.reduce_bucket_size,
             reduce_dtype=reduce_dtype,
             grad_device=self.master_device,
+            prescale=config.prescale_gradients,
+            predivide_factor=config.gradient_predivide_factor,
         )
         self.fetcher = Fetcher(
             self.module, self.table, self.units, self.comm, self.device, self.reducer.flush
@@ -158,7 +167,22 @@ class Engine:
             optimizer = optimizer(params)
         if optimizer is None and spec is not None:
             optimizer = build_optimizer(spec, params)
+        if optimizer is not None:
+            self._check_optimizer_is_elementwise(optimizer)
         return optimizer
+
+    def _check_optimizer_is_elementwise(self, optimizer: torch.optim.Optimizer) -> None:
+        """A client optimizer must update each element from its own state only: zero3
+        hands it flat shards, so an optimizer that uses a whole tensor's shape or norm
+        (Adafactor, LAMB, Shampoo, Muon) would be silently wrong."""
+        if isinstance(optimizer, ELEMENTWISE_OPTIMIZERS) or self.config.zero_allow_untested_optimizer:
+            return
+        raise EngineError(
+            f"optimizer {type(optimizer).__name__} is not one zero3 knows to be elementwise "
+            f"({', '.join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)}); it will see each "
+            "rank's flat 1-D shard, not the whole tensor. If it updates every element from "
+            "that element's own state only, set \"zero_allow_untested_optimizer\": true"
+        )
 
     def _resolve_scheduler(self, lr_scheduler):
         spec = self.config.scheduler
@@ -183,7 +207,10 @@ class Engine:
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._check_alive()
-        return self.module(*args, **kwargs)
+        if self.config.precision.auto_cast:
+            args, kwargs = _cast_floating((args, kwargs), self.compute_dtype)
+        with self.timers.time("forward"):
+            return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backpropagate `loss` (divided by the accumulation steps, as DeepSpeed does)."""
@@ -198,8 +225,11 @@ class Engine:
         steps = self.config.gradient_accumulation_steps
         if scale_wrt_gas and steps > 1:
             scaled = loss / steps
-        scaled.backward(retain_graph=retain_graph)
-        self.reducer.flush()
+        if self.loss_scaler is not None:
+            scaled = scaled * self.loss_scaler.scale
+        with self.timers.time("backward"):
+            scaled.backward(retain_graph=retain_graph)
+            self.reducer.flush()
         return loss
 
     def is_gradient_accumulation_boundary(self) -> bool:
@@ -214,18 +244,59 @@ class Engine:
                     "engine.step() at an accumulation boundary needs an optimizer: pass "
                     "optimizer= to zero3.initialize or add an 'optimizer' config section"
                 )
-            self.reducer.flush()
-            if self.optimizer.step():
-                self._refresh_resident()
-                if self.lr_scheduler is not None:
-                    self.lr_scheduler.step(**(lr_kwargs or {}))
-            else:
-                self.skipped_steps += 1
-                logger.warning("zero3: gradient overflow (norm %s) at step %d; step skipped",
-                               self.optimizer.last_grad_norm, self.global_steps)
+            with self.timers.time("step"):
+                self._optimizer_step(lr_kwargs)
             self.global_steps += 1
+            self._report_progress()
         self.micro_steps += 1
         self.global_samples += self.config.train_micro_batch_size_per_gpu * self.comm.world_size
+
+    def _optimizer_step(self, lr_kwargs: dict | None) -> None:
+        self.reducer.flush()
+        divisor = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+        stepped = self.optimizer.step(grad_divisor=divisor)
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(overflow=not stepped)
+        if not stepped:
+            self.skipped_steps += 1
+            if self.comm.rank == 0:
+                logger.warning("zero3: gradient overflow (norm %s) at step %d; step skipped%s",
+                               self.optimizer.last_grad_norm, self.global_steps,
+                               f", loss scale now {self.loss_scaler.scale:g}" if self.loss_scaler else "")
+            return
+        self._refresh_resident()
+        if self.lr_scheduler is not None:
+            try:
+                self.lr_scheduler.step(**(lr_kwargs or {}))
+            except TypeError:
+                # DeepSpeed's fallback for schedulers whose step() takes the batch size.
+                self.lr_scheduler.step(self.config.train_batch_size)
+
+    def _report_progress(self) -> None:
+        """DeepSpeed's steps_per_print: rank 0 logs step, lr and (with
+        wall_clock_breakdown) the mean forward / backward / step times."""
+        every = self.config.steps_per_print
+        if not every or self.global_steps % every or self.comm.rank != 0:
+            return
+        message = (f"zero3: step={self.global_steps} skipped={self.skipped_steps} "
+                   f"lr={self.get_lr()} grad_norm={self.get_global_grad_norm()}")
+        if self.loss_scaler is not None:
+            message += f" loss_scale={self.loss_scaler.scale:g}"
+        if self.timers.enabled:
+            message += " " + self.timers.summary_and_reset()
+        logger.info(message)
+        print(message, flush=True)
+
+    @property
+    def loss_scale(self) -> float:
+        return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+
+    def loss_scaler_state(self) -> dict | None:
+        return self.loss_scaler.state_dict() if self.loss_scaler is not None else None
+
+    def load_loss_scaler_state(self, state: dict) -> None:
+        if self.loss_scaler is not None:
+            self.loss_scaler.load_state_dict(state)
 
     def _refresh_resident(self) -> None:
         """Resident parameters get their new values from every rank's updated shard."""
@@ -353,3 +424,14 @@ def _give_exclusive_storage(p: nn.Parameter) -> None:
     )
     if not exclusive:
         p.data = p.data.clone(memory_format=torch.contiguous_format)
+
+
+def _cast_floating(value: Any, dtype: torch.dtype) -> Any:
+    """fp16.auto_cast: floating-point tensors in the forward inputs cast to `dtype`."""
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cast_floating(v, dtype) for v in value)
+    if isinstance(value, dict):
+        return {k: _cast_floating(v, dtype) for k, v in value.items()}
+    return value

@@ -88,8 +88,10 @@ class ShardedOptimizer:
         self.comm.all_reduce(local)
         return math.sqrt(float(local))
 
-    def step(self) -> bool:
+    def step(self, grad_divisor: float = 1.0) -> bool:
         """One optimizer step over the shards; grads are consumed.
+
+        `grad_divisor` undoes fp16 loss scaling before the norm, clipping and update.
 
         Returns False (and changes nothing but the gradients, which are dropped) when
         overflow checking is on and the global gradient norm is inf or nan.
@@ -97,6 +99,8 @@ class ShardedOptimizer:
         for sp, master in zip(self.params, self.masters):
             # A trainable parameter unused in this window gets a zero gradient (as DeepSpeed).
             master.grad = sp.grad_shard if sp.grad_shard is not None else torch.zeros_like(master)
+            if grad_divisor != 1.0:
+                master.grad.div_(grad_divisor)
         self.last_grad_norm = self.global_grad_norm()
         if self.check_overflow and not math.isfinite(self.last_grad_norm):
             self.zero_grad()

@@ -2,7 +2,7 @@
 
 When autograd has accumulated a parameter's full gradient (post-accumulate-grad hook),
 the gradient is copied into the pending bucket and `param.grad` is set to None at once,
-so no full gradient outlives its hook. A bucket is reduce-scattered (mean over ranks)
+so no full gradient outlives its hook. A bucket is reduce-scattered (a sum, scaled to the mean over ranks)
 when it reaches `bucket_numel` elements and at the end of every backward; each rank adds
 its slice into `ShardedParam.grad_shard` (fp32), which therefore accumulates over the
 micro-steps of a gradient-accumulation window.
@@ -33,8 +33,12 @@ class GradReducer:
         bucket_numel: int,
         reduce_dtype: torch.dtype | None,
         grad_device: torch.device,
+        prescale: bool = False,
+        predivide_factor: float = 1.0,
     ) -> None:
         self.comm = comm
+        self.prescale = prescale
+        self.predivide_factor = float(predivide_factor)
         self.bucket_numel = max(int(bucket_numel), 1)
         self.reduce_dtype = reduce_dtype
         self.grad_device = grad_device
@@ -46,6 +50,19 @@ class GradReducer:
             for sp in params
             if sp.requires_grad
         ]
+
+    def _pre_scale(self, staging: torch.Tensor) -> None:
+        """DeepSpeed's prescale_gradients / gradient_predivide_factor: divide before the
+        sum (less overflow risk in 16-bit), multiply the rest after, so the result is
+        always the mean over ranks."""
+        if self.prescale:
+            staging.div_(self.comm.world_size)
+        elif self.predivide_factor != 1.0:
+            staging.mul_(1.0 / self.predivide_factor)
+
+    def _post_scale(self, reduced: torch.Tensor) -> None:
+        if not self.prescale and self.predivide_factor != self.comm.world_size:
+            reduced.mul_(self.predivide_factor / self.comm.world_size)
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -85,7 +102,9 @@ class GradReducer:
             sp.pack_rows(grad, staging[:, offset:offset + sp.shard_numel])
             offset += sp.shard_numel
         reduced = torch.empty(total, dtype=dtype, device=device)
-        self.comm.reduce_scatter_mean(reduced, staging.view(-1))
+        self._pre_scale(staging)
+        self.comm.reduce_scatter_sum(reduced, staging.view(-1))
+        self._post_scale(reduced)
         offset = 0
         for sp, _ in group:
             piece = reduced[offset:offset + sp.shard_numel]
