@@ -16,6 +16,12 @@ import torch
 import torch.distributed as dist
 
 
+# torch 2.13 names these *_single; older releases (e.g. a GPU image's 2.11) only have
+# the *_tensor spelling, which 2.13 still accepts with a deprecation warning.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 @dataclass
 class CommCounters:
     """Cumulative collective calls and bytes, per operation name."""
@@ -53,7 +59,7 @@ class Communicator:
             output.copy_(shard)
             return
         self.counters.record("all_gather", shard)
-        dist.all_gather_single(output, shard, group=self.group)
+        _all_gather_single(output, shard, group=self.group)
 
     def reduce_scatter_sum(self, output: torch.Tensor, full: torch.Tensor) -> None:
         """output = sum over ranks of full[rank * n:(rank + 1) * n], n = output.numel()."""
@@ -61,7 +67,7 @@ class Communicator:
             output.copy_(full)
             return
         self.counters.record("reduce_scatter", full)
-        dist.reduce_scatter_single(output, full, op=dist.ReduceOp.SUM, group=self.group)
+        _reduce_scatter_single(output, full, op=dist.ReduceOp.SUM, group=self.group)
 
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> None:
         if not self.active:

@@ -98,6 +98,7 @@ class Engine:
             ShardedOptimizer(
                 client_optimizer, self.table, self.comm, self.master_device, config.gradient_clipping,
                 check_overflow=config.precision.check_grad_overflow,
+                pin_memory=config.zero.offload_optimizer.device == "cpu" and config.zero.offload_optimizer.pin_memory,
             )
             if client_optimizer is not None
             else None
@@ -141,12 +142,14 @@ class Engine:
         persistent = choose_persistent(
             self.named_params, zero.param_persistence_threshold, zero.model_persistence_threshold
         )
-        shard_device = torch.device("cpu") if zero.offload_param.device == "cpu" else self.device
+        offload = zero.offload_param.device == "cpu"
+        shard_device = torch.device("cpu") if offload else self.device
+        pin = offload and zero.offload_param.pin_memory
         table: dict[nn.Parameter, ShardedParam] = {}
         for name, p in self.named_params:
             _give_exclusive_storage(p)
             table[p] = ShardedParam(
-                p, name, self.comm.rank, self.comm.world_size, id(p) in persistent, shard_device
+                p, name, self.comm.rank, self.comm.world_size, id(p) in persistent, shard_device, pin
             )
         for sp in table.values():
             if not sp.persistent:

@@ -38,12 +38,14 @@ class ShardedOptimizer:
         master_device: torch.device,
         gradient_clipping: float,
         check_overflow: bool = False,
+        pin_memory: bool = False,
     ) -> None:
         self.optimizer = optimizer
         self.comm = comm
         self.master_device = master_device
         self.gradient_clipping = gradient_clipping
         self.check_overflow = check_overflow
+        self.pin_memory = pin_memory and master_device.type == "cpu" and torch.cuda.is_available()
         self.params: list[ShardedParam] = []
         self.masters: list[torch.Tensor] = []
         self.last_grad_norm: float | None = None
@@ -52,7 +54,10 @@ class ShardedOptimizer:
     # ------------------------------------------------------------------ setup
     def _master_for(self, sp: ShardedParam) -> torch.Tensor:
         shares_storage = sp.shard.dtype == torch.float32 and sp.shard.device == self.master_device
-        return sp.shard if shares_storage else sp.shard.to(self.master_device, torch.float32, copy=True)
+        if shares_storage:
+            return sp.shard
+        master = sp.shard.to(self.master_device, torch.float32, copy=True)
+        return master.pin_memory() if self.pin_memory else master
 
     def _remap_param_groups(self, table: dict[torch.nn.Parameter, ShardedParam]) -> None:
         if self.optimizer.state:

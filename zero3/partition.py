@@ -46,6 +46,7 @@ class ShardedParam:
         world_size: int,
         persistent: bool,
         shard_device: torch.device,
+        pin_memory: bool = False,
     ) -> None:
         self.param = param
         self.name = name
@@ -61,6 +62,8 @@ class ShardedParam:
         self.state = ParamState.FULL
         self.holds = 0
         self.shard = self._take_local_shard()
+        if pin_memory and self.shard.device.type == "cpu" and torch.cuda.is_available():
+            self.shard = self.shard.pin_memory()  # host shard copied to the GPU asynchronously
         self.grad_shard: torch.Tensor | None = None
 
     # ----------------------------------------------------------------- layout
