@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 
 from .comm import Communicator
 from .partition import ShardedParam
@@ -82,16 +83,32 @@ class ShardedOptimizer:
                 self.masters.append(master)
                 masters.append(master)
             group["params"] = masters
+        self._prefer_fused_kernels()
+
+    def _prefer_fused_kernels(self) -> None:
+        """Adam, AdamW and SGD over the shards run as one fused kernel per group, unless
+        the user chose an implementation (foreach=... or fused=...) explicitly."""
+        if not isinstance(self.optimizer, (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)):
+            return
+        for group in self.optimizer.param_groups:
+            explicit = group.get("foreach") is not None or group.get("fused") is not None
+            if not explicit and not group.get("differentiable") and group["params"]:
+                group["fused"] = True
 
     # ------------------------------------------------------------------- step
     def global_grad_norm(self) -> float:
         """L2 norm of the full gradient: each element lives in exactly one rank's shard."""
-        local = torch.zeros((), dtype=torch.float64)
-        for sp in self.params:
-            if sp.grad_shard is not None:
-                local += sp.grad_shard.double().pow(2).sum().cpu()
+        grads = [m.grad for m in self.masters if m.grad is not None]
+        if grads:
+            # One fused pass and one host sync for all shards, whatever their number.
+            norms = torch._foreach_norm(grads, 2.0)
+            local = torch.stack(norms).double().pow(2).sum().reshape(1)
+        else:
+            local = torch.zeros(1, dtype=torch.float64, device=self.master_device)
+        if self.comm.active and local.device.type == "cpu" and torch.cuda.is_available() and dist_backend_is_nccl():
+            local = local.cuda()
         self.comm.all_reduce(local)
-        return math.sqrt(float(local))
+        return math.sqrt(float(local.item()))
 
     def step(self, grad_divisor: float = 1.0) -> bool:
         """One optimizer step over the shards; grads are consumed.
@@ -104,8 +121,8 @@ class ShardedOptimizer:
         for sp, master in zip(self.params, self.masters):
             # A trainable parameter unused in this window gets a zero gradient (as DeepSpeed).
             master.grad = sp.grad_shard if sp.grad_shard is not None else torch.zeros_like(master)
-            if grad_divisor != 1.0:
-                master.grad.div_(grad_divisor)
+        if grad_divisor != 1.0:
+            torch._foreach_div_([m.grad for m in self.masters], grad_divisor)
         self.last_grad_norm = self.global_grad_norm()
         if self.check_overflow and not math.isfinite(self.last_grad_norm):
             self.zero_grad()
@@ -113,9 +130,7 @@ class ShardedOptimizer:
         if self.gradient_clipping > 0:
             coefficient = self.gradient_clipping / (self.last_grad_norm + 1e-6)
             if coefficient < 1.0:
-                for master in self.masters:
-                    if master.grad is not None:
-                        master.grad.mul_(coefficient)
+                torch._foreach_mul_([m.grad for m in self.masters], coefficient)
         self.optimizer.step()
         with torch.no_grad():
             for sp, master in zip(self.params, self.masters):
@@ -134,3 +149,7 @@ class ShardedOptimizer:
             if candidate is sp:
                 return master
         return None
+
+
+def dist_backend_is_nccl() -> bool:
+    return dist.is_initialized() and dist.get_backend() == "nccl"

@@ -51,6 +51,15 @@ class GradReducer:
             if sp.requires_grad
         ]
 
+    def _accumulate_unsharded(self, group: list[tuple[ShardedParam, torch.Tensor]]) -> None:
+        """World size 1: the shard is the whole (padded) gradient; no staging, no copy
+        beyond the fp32 accumulation itself."""
+        for sp, grad in group:
+            flat = grad.reshape(-1)
+            if sp.grad_shard is None:
+                sp.grad_shard = torch.zeros(sp.shard_numel, dtype=torch.float32, device=self.grad_device)
+            sp.grad_shard[: sp.numel].add_(flat.to(self.grad_device))
+
     def _pre_scale(self, staging: torch.Tensor) -> None:
         """DeepSpeed's prescale_gradients / gradient_predivide_factor: divide before the
         sum (less overflow risk in 16-bit), multiply the rest after, so the result is
@@ -93,6 +102,9 @@ class GradReducer:
             self._reduce_group(group, dtype)
 
     def _reduce_group(self, group: list[tuple[ShardedParam, torch.Tensor]], dtype: torch.dtype) -> None:
+        if not self.comm.active:
+            self._accumulate_unsharded(group)
+            return
         world = self.comm.world_size
         total = sum(sp.shard_numel for sp, _ in group)
         device = group[0][1].device
