@@ -1,45 +1,90 @@
 """Checkpoints: save / load / reshard, commit marker, checksums, RNG and counters.
 
-Layout of `save_dir/tag/`:
-  rank{r}-of-{W}.safetensors   this rank's unpadded slices, per parameter by name:
-                                 param/<name>   compute-dtype values
-                                 master/<name>  fp32 master (only where it differs from param)
-                                 optim/<name>/<key>  optimizer state (shard-shaped or scalar)
-  rank{r}-of-{W}.state.pt      this rank's RNG states (loaded with weights_only=True)
+Layout of `save_dir/<tag>/` (W ranks saved it):
+  rank{r:05d}-of-{W:05d}.safetensors  rank r's unpadded slices, per parameter by name:
+                                 param/<name>             compute-dtype values
+                                 master/<name>            fp32 master (only where separate)
+                                 optim/<name>/<key>       elementwise optimizer state
+                                 optim_whole/<name>/<key> any other tensor state (AdamW's step)
+                               and in rank 0's file, buffer/<name>: the persistent buffers.
+  rank{r:05d}-of-{W:05d}.state.pt    rank r's RNG states: python, numpy, torch, cuda
   common.pt                    counters, scheduler, client_state, optimizer hyper-parameters
-  manifest.json                the commit marker: files with sizes and sha256, world size,
-                               per-parameter layout, versions
-and `save_dir/latest` holds the tag of the newest complete checkpoint.
+  pytorch_model.safetensors    consolidated 16-bit weights, only with the config's
+                               gather_16bit_weights_on_model_save
+  manifest.json                the commit marker (below)
+and `save_dir/latest` holds the tag of the newest committed checkpoint.
 
-Commit protocol: the old manifest of the tag (if any) is removed first; every file is
-written under a temporary name, fsynced and renamed; then rank 0 writes the manifest
-(temporary name, fsync, rename, fsync of the directory), and only then `latest`.
-A checkpoint without a manifest is incomplete and is never loaded.
+Why our own format: torch.distributed.checkpoint reshards, but reads its metadata with
+plain pickle, keeps no checksums and has no commit marker. safetensors gives tensors
+without code execution and lazy slices, which resharding needs, so tensors live in
+safetensors files; the small rest is loaded with `torch.load(weights_only=True)`.
+Nothing is ever unpickled without `weights_only=True`.
 
-Resharding: rank r of W owns elements [r*ceil(n/W), ...) of each parameter; the loader
-computes its own range for its world size and reads the overlapping slices of every
-source file, so a checkpoint saved on N ranks loads on M ranks.
+Manifest: format version, zero3 and torch versions, tag, world size, counters, every file
+with its size and sha256, per-parameter layout (shape, dtype, numel, shard_numel,
+master, optimizer state kinds), buffers, tied-parameter aliases; and a sha256 of all of
+that, so a damaged manifest is itself detected.
 
-Nothing is unpickled without `weights_only=True`; tensors live in safetensors files.
+Commit protocol (`save`):
+  1. rank 0 refuses a tag folder holding files zero3 did not write, removes the tag's
+     old manifest (from here on the tag is incomplete) and then its other files;
+  2. every rank writes its files under `<name>.tmp`, fsyncs, renames, fsyncs the folder;
+  3. rank 0 writes the manifest the same way (temporary name, fsync, rename, fsync);
+  4. only then rank 0 writes `latest` the same way (unless save_latest=False).
+A failure on any rank raises on every rank (never a hang). A crash anywhere before
+step 3 completes leaves a folder without a manifest: incomplete, never loaded.
+
+Choosing what to load (`resolve_tag`):
+  - tag given: that folder; missing -> (None, None) and a warning, as DeepSpeed; present
+    without a manifest -> CheckpointError "incomplete".
+  - no tag: `latest` missing -> (None, None) and a warning. `latest` names a committed
+    tag -> that one. `latest` names a tag with no manifest (or no folder) -> the newest
+    committed tag (by global step, then time) with a warning naming both; with no
+    committed tag at all -> CheckpointError (never a silent fresh start). Only that
+    case falls back: an interrupted save is a normal event that the protocol makes
+    harmless, so a week-long run restarts by itself from its last good checkpoint. A
+    *damaged* checkpoint (bad manifest, checksum, size, missing or extra file) is not
+    expected and never skipped silently: it raises, naming the files.
+
+Loading verifies everything before any state is touched: the manifest and its checksum,
+every file's presence, size and sha256 (shared out across ranks), no extra files, the
+safetensors headers against the layout, the model against the layout, and the pickled
+parts with weights_only=True. Every rank raises the same error.
+
+Resharding: rank r of W owns elements [r*ceil(n/W), ...) of each flattened parameter
+(`owned_range`, the layout of partition.py); the loader computes its own range for its
+world size and reads the overlapping slices of every source file, so a checkpoint saved
+on N ranks loads on M ranks. RNG states are restored for ranks below N only.
+
+Debugging aid (`ZERO3_CHECKPOINT_PAUSE`): set it to a phase of `PAUSE_PHASES`, optionally
+`<phase>@<rank>`, and a save freezes at that point (logging it, and writing its pid to
+`ZERO3_CHECKPOINT_PAUSE_MARKER` if set) until the process is killed: a way to look at a
+half-written checkpoint, and what the fault-injection tests SIGKILL.
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import logging
 import math
 import os
 import random
+import re
+import sys
 import time
+from contextlib import ExitStack
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
+from .export import (TensorSpec, fsync_dir, on_every_rank, parameter_aliases, persistent_buffers,
+                     save_consolidated, write_safetensors)
 from .partition import ParamState, ShardedParam
 
 if TYPE_CHECKING:
@@ -51,6 +96,18 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 COMMON = "common.pt"
 LATEST = "latest"
+MODEL_16BIT = "pytorch_model.safetensors"
+PAUSE_ENV = "ZERO3_CHECKPOINT_PAUSE"
+PAUSE_MARKER_ENV = "ZERO3_CHECKPOINT_PAUSE_MARKER"
+PAUSE_PHASES = {
+    "shard-partial": "a rank's shard file is half written (header and first tensor)",
+    "shards-written": "rank 0, after every rank committed its files, before the manifest",
+    "manifest-written": "rank 0, after the manifest is committed, before `latest`",
+}
+_OURS = re.compile(
+    r"^(rank\d{5}-of-\d{5}\.(safetensors|state\.pt)|" + re.escape(COMMON) + "|"
+    + re.escape(MODEL_16BIT) + "|" + re.escape(MANIFEST) + r")(\.tmp)?$"
+)
 
 
 class CheckpointError(RuntimeError):
@@ -67,34 +124,31 @@ def state_file(rank: int, world: int) -> str:
 
 
 def owned_range(numel: int, rank: int, world: int) -> tuple[int, int]:
+    """[start, end) of the flattened elements rank `rank` of `world` owns (partition.py)."""
     shard = math.ceil(numel / world) if numel else 0
     start = min(rank * shard, numel)
     return start, min(start + shard, numel)
 
 
+def expected_files(world: int) -> list[str]:
+    """The files every checkpoint of `world` ranks has (the 16-bit model is optional)."""
+    names = [COMMON]
+    for rank in range(world):
+        names += [shard_file(rank, world), state_file(rank, world)]
+    return names
+
+
 # ------------------------------------------------------------------ file I/O
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _commit_file(tmp: Path, final: Path) -> None:
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, final)
-
-
-def _write_bytes_atomically(path: Path, data: bytes) -> None:
+def _write_bytes_atomically(path: Path, data: bytes) -> dict[str, Any]:
+    """`path` becomes `data` or stays as it was: temporary name, fsync, rename, fsync dir."""
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
+    return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 
 def file_digest(path: Path) -> dict[str, Any]:
@@ -103,6 +157,55 @@ def file_digest(path: Path) -> dict[str, Any]:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return {"size": path.stat().st_size, "sha256": h.hexdigest()}
+
+
+def _pickled(obj: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def _unpickle_file(path: Path) -> Any:
+    """torch.load with weights_only=True: tensors and plain containers, never code."""
+    try:
+        return torch.load(path, weights_only=True, map_location="cpu")
+    except Exception as exc:  # noqa: BLE001 - named and re-raised
+        raise CheckpointError(
+            f"{path}: refused to load ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
+            "only tensors and plain values are loaded (weights_only=True), never code"
+        ) from exc
+
+
+# ------------------------------------------------------------ debugging aid
+def pause_point(phase: str, rank: int) -> None:
+    """Freeze here if ZERO3_CHECKPOINT_PAUSE asks for `phase` (on this rank), until killed."""
+    wanted = os.environ.get(PAUSE_ENV)
+    if not wanted:
+        return
+    name, _, only_rank = wanted.partition("@")
+    if name != phase or (only_rank and int(only_rank) != rank):
+        return
+    marker = os.environ.get(PAUSE_MARKER_ENV)
+    message = (f"zero3: checkpoint save paused at {phase!r} ({PAUSE_PHASES[phase]}) on rank {rank}, "
+               f"pid {os.getpid()}, because {PAUSE_ENV}={wanted}; kill the process to continue")
+    logger.warning(message)
+    print(message, file=sys.stderr, flush=True)
+    if marker:
+        _write_bytes_atomically(Path(marker), str(os.getpid()).encode())
+    while True:
+        time.sleep(1)
+
+
+def _check_pause_setting() -> None:
+    wanted = os.environ.get(PAUSE_ENV)
+    if not wanted:
+        return
+    name, _, only_rank = wanted.partition("@")
+    if name not in PAUSE_PHASES or (only_rank and not only_rank.isdigit()):
+        raise CheckpointError(
+            f"{PAUSE_ENV}={wanted!r} is not '<phase>' or '<phase>@<rank>' with a phase of "
+            f"{sorted(PAUSE_PHASES)}; unset it to save normally"
+        )
 
 
 # ----------------------------------------------------------------------- save
@@ -117,27 +220,93 @@ def _check_can_save(engine: "Engine") -> None:
         )
 
 
-def _rank_tensors(engine: "Engine", exclude_frozen: bool) -> dict[str, torch.Tensor]:
-    tensors: dict[str, torch.Tensor] = {}
-    optimizer = engine.optimizer
-    for sp in engine.table.values():
-        if exclude_frozen and not sp.requires_grad:
-            continue
+_PLAIN = (str, int, float, bool, type(None))
+
+
+def plain_value_problem(value: Any, path: str = "client_state") -> str | None:
+    """Where `value` holds something other than JSON-like values and tensors, or None.
+
+    Allowed: None, bool, int, float, str, torch.Tensor, and list / tuple / dict of
+    those (dict keys: str, int, float, bool or None) - what loads with weights_only=True.
+    """
+    if isinstance(value, torch.Tensor):
+        return None if type(value) in (torch.Tensor, torch.nn.Parameter) else f"{path}: tensor subclass {type(value).__name__}"
+    if type(value) in _PLAIN:
+        return None
+    if type(value) in (list, tuple):
+        for index, item in enumerate(value):
+            problem = plain_value_problem(item, f"{path}[{index}]")
+            if problem:
+                return problem
+        return None
+    if type(value) is dict:
+        for key, item in value.items():
+            if type(key) not in _PLAIN:
+                return f"{path}: key {key!r} of type {type(key).__name__}"
+            problem = plain_value_problem(item, f"{path}[{key!r}]")
+            if problem:
+                return problem
+        return None
+    return f"{path}: {type(value).__module__}.{type(value).__qualname__}"
+
+
+def _check_client_state(client_state: Any) -> None:
+    if type(client_state) is not dict:
+        raise CheckpointError(f"client_state must be a dict, got {type(client_state).__name__}")
+    problem = plain_value_problem(client_state)
+    if problem:
+        raise CheckpointError(
+            f"client_state holds a value that could only be loaded by running code from the "
+            f"file ({problem}); keep dict / list / tuple / str / int / float / bool / None and "
+            "torch tensors there (e.g. convert numpy values with .item() or torch.from_numpy)"
+        )
+
+
+def _master_map(engine: "Engine") -> dict[int, torch.Tensor]:
+    if engine.optimizer is None:
+        return {}
+    return {id(sp): m for sp, m in zip(engine.optimizer.params, engine.optimizer.masters)}
+
+
+def _saved_params(engine: "Engine", exclude_frozen: bool) -> list[ShardedParam]:
+    return [sp for sp in engine.table.values() if not (exclude_frozen and not sp.requires_grad)]
+
+
+def _rank_tensors(engine: "Engine", exclude_frozen: bool) -> tuple[list[TensorSpec], list[Callable], dict]:
+    """This rank's tensors: specs, a producer for each (called one at a time, in order),
+    and per parameter {"master": bool, "optim": {key: "elementwise" | "whole"}}."""
+    specs: list[TensorSpec] = []
+    producers: list[Callable[[], torch.Tensor]] = []
+    kinds: dict[str, dict[str, Any]] = {}
+    masters = _master_map(engine)
+
+    def add(name: str, tensor: torch.Tensor) -> None:
+        specs.append(TensorSpec(name, tensor.dtype, tuple(tensor.shape)))
+        producers.append(lambda: tensor)
+
+    for sp in _saved_params(engine, exclude_frozen):
         valid = sp.local_valid_numel
-        tensors[f"param/{sp.name}"] = sp.shard[:valid].detach().cpu().contiguous()
-        master = optimizer.master_of(sp) if optimizer is not None else None
+        add(f"param/{sp.name}", sp.shard[:valid])
+        master = masters.get(id(sp))
+        info: dict[str, Any] = {"master": master is not None and master is not sp.shard, "optim": {}}
+        kinds[sp.name] = info
         if master is None:
             continue
-        if master is not sp.shard:
-            tensors[f"master/{sp.name}"] = master[:valid].detach().cpu().contiguous()
-        for key, value in optimizer.optimizer.state.get(master, {}).items():
+        if info["master"]:
+            add(f"master/{sp.name}", master[:valid])
+        for key, value in engine.optimizer.optimizer.state.get(master, {}).items():
             if not isinstance(value, torch.Tensor):
                 continue
             if value.shape == master.shape:
-                tensors[f"optim/{sp.name}/{key}"] = value[:valid].detach().cpu().contiguous()
+                info["optim"][str(key)] = "elementwise"
+                add(f"optim/{sp.name}/{key}", value[:valid])
             else:
-                tensors[f"optim_whole/{sp.name}/{key}"] = value.detach().cpu().contiguous()
-    return tensors
+                info["optim"][str(key)] = "whole"
+                add(f"optim_whole/{sp.name}/{key}", value)
+    if engine.comm.rank == 0:
+        for name, buffer in persistent_buffers(engine.module).items():
+            add(f"buffer/{name}", buffer)
+    return specs, producers, kinds
 
 
 def _rng_state() -> dict[str, Any]:
@@ -174,6 +343,7 @@ def _common_state(engine: "Engine", client_state: dict) -> dict[str, Any]:
             if plain:
                 extras[sp.name] = plain
     scheduler = engine.lr_scheduler
+    has_state = scheduler is not None and hasattr(scheduler, "state_dict")
     return {
         "format_version": FORMAT_VERSION,
         "global_steps": engine.global_steps,
@@ -183,87 +353,163 @@ def _common_state(engine: "Engine", client_state: dict) -> dict[str, Any]:
         "loss_scaler": engine.loss_scaler_state() if hasattr(engine, "loss_scaler_state") else None,
         "param_groups": groups,
         "optim_extras": extras,
-        "lr_scheduler": scheduler.state_dict() if scheduler is not None and hasattr(scheduler, "state_dict") else None,
+        "lr_scheduler": scheduler.state_dict() if has_state else None,
+        "lr_scheduler_type": type(scheduler).__qualname__ if has_state else None,
         "client_state": client_state,
     }
 
 
-def _param_layout(engine: "Engine", exclude_frozen: bool) -> dict[str, Any]:
+def _param_layout(engine: "Engine", exclude_frozen: bool, kinds: dict) -> dict[str, Any]:
     layout = {}
-    for sp in engine.table.values():
-        if exclude_frozen and not sp.requires_grad:
-            continue
+    for sp in _saved_params(engine, exclude_frozen):
         layout[sp.name] = {
             "shape": list(sp.shape),
-            "dtype": str(sp.dtype).removeprefix("torch."),
+            "dtype": _dtype_name(sp.dtype),
             "numel": sp.numel,
+            "shard_numel": sp.shard_numel,
             "trainable": sp.requires_grad,
             "persistent": sp.persistent,
+            "master": kinds[sp.name]["master"],
+            "optim": kinds[sp.name]["optim"],
         }
     return layout
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _prepare_folder(folder: Path) -> None:
+    """Rank 0: make `folder` an empty, incomplete tag; refuse files zero3 did not write."""
+    folder.mkdir(parents=True, exist_ok=True)
+    foreign = sorted(p.name for p in folder.iterdir() if not (p.is_file() and _OURS.match(p.name)))
+    if foreign:
+        raise CheckpointError(
+            f"checkpoint folder {folder} holds entries zero3 did not write: {foreign}; save under "
+            "another tag or move them away (nothing was changed)"
+        )
+    (folder / MANIFEST).unlink(missing_ok=True)  # the tag is incomplete from here on
+    fsync_dir(folder)
+    for stale in folder.iterdir():
+        stale.unlink()
+    fsync_dir(folder)
+
+
+def _write_rank_files(engine: "Engine", folder: Path, client_state: dict,
+                      exclude_frozen: bool) -> tuple[dict[str, Any], dict]:
+    """This rank's shard file, RNG file (and common.pt on rank 0): name -> digest."""
+    rank, world = engine.comm.rank, engine.comm.world_size
+    written: dict[str, dict[str, Any]] = {}
+    specs, producers, kinds = _rank_tensors(engine, exclude_frozen)
+    values = (producer() for producer in producers)
+    shard_path = folder / shard_file(rank, world)
+    written[shard_path.name] = write_safetensors(
+        shard_path, specs, values, metadata={"format": "zero3", "rank": str(rank), "world_size": str(world)},
+        after_first=lambda: pause_point("shard-partial", rank))
+    rng_path = folder / state_file(rank, world)
+    written[rng_path.name] = _write_bytes_atomically(rng_path, _pickled({"rng": _rng_state(), "rank": rank}))
+    if rank == 0:
+        data = _pickled(_common_state(engine, client_state))
+        try:
+            torch.load(io.BytesIO(data), weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - named and re-raised
+            raise CheckpointError(
+                f"the scheduler or optimizer state cannot be saved as plain values ({exc}); "
+                "nothing that needs code to load is written"
+            ) from exc
+        written[COMMON] = _write_bytes_atomically(folder / COMMON, data)
+    return written, kinds
+
+
 def save(engine: "Engine", save_dir, tag, client_state: dict, save_latest: bool,
          exclude_frozen: bool) -> bool:
-    _check_can_save(engine)
+    """Write a checkpoint with the commit protocol above; a collective. True when done."""
     comm = engine.comm
+    rank = comm.rank
+    on_every_rank(comm, lambda: (_check_pause_setting(), _check_can_save(engine),
+                                 _check_client_state(client_state)), CheckpointError)
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
     _validate_tag(engine, tag)
     root = Path(save_dir)
     folder = root / tag
-    if comm.rank == 0:
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / MANIFEST).unlink(missing_ok=True)  # the tag is incomplete from here on
-        _fsync_dir(folder)
-    comm.barrier()
-    world, rank = comm.world_size, comm.rank
-    written: dict[str, dict[str, Any]] = {}
-
-    shard_path = folder / shard_file(rank, world)
-    tmp = shard_path.with_name(shard_path.name + ".tmp")
-    save_file(_rank_tensors(engine, exclude_frozen), str(tmp), metadata={"format": "zero3"})
-    _commit_file(tmp, shard_path)
-    written[shard_path.name] = file_digest(shard_path)
-
-    rng_path = folder / state_file(rank, world)
-    torch.save({"rng": _rng_state(), "rank": rank}, rng_path.with_name(rng_path.name + ".tmp"))
-    _commit_file(rng_path.with_name(rng_path.name + ".tmp"), rng_path)
-    written[rng_path.name] = file_digest(rng_path)
-
-    if rank == 0:
-        common_path = folder / COMMON
-        torch.save(_common_state(engine, client_state), common_path.with_name(COMMON + ".tmp"))
-        _commit_file(common_path.with_name(COMMON + ".tmp"), common_path)
-        written[COMMON] = file_digest(common_path)
-
+    on_every_rank(comm, lambda: _prepare_folder(folder) if rank == 0 else None, CheckpointError)
+    written, kinds = on_every_rank(
+        comm, lambda: _write_rank_files(engine, folder, client_state, exclude_frozen), CheckpointError)
+    if engine.config.zero.gather_16bit_weights_on_model_save:
+        digest = on_every_rank(comm, lambda: save_consolidated(
+            engine, folder / MODEL_16BIT, dtype=engine.compute_dtype, exclude_frozen=exclude_frozen),
+            CheckpointError)
+        if rank == 0:
+            written[MODEL_16BIT] = digest
     all_written = comm.gather_objects(written)
-    if rank == 0:
+    all_kinds = comm.gather_objects(kinds)
+
+    def commit() -> None:
+        if rank != 0:
+            return
+        pause_point("shards-written", rank)
         files: dict[str, Any] = {}
         for part in all_written:
             files.update(part)
-        manifest = {
-            "format": "zero3",
-            "format_version": FORMAT_VERSION,
-            "zero3_version": _zero3_version(),
-            "torch_version": torch.__version__,
-            "tag": tag,
-            "world_size": world,
-            "global_steps": engine.global_steps,
-            "created_unix": time.time(),
-            "exclude_frozen_parameters": exclude_frozen,
-            "files": files,
-            "params": _param_layout(engine, exclude_frozen),
-        }
-        _fsync_dir(folder)
-        _write_bytes_atomically(folder / MANIFEST, json.dumps(manifest, indent=1).encode())
+        manifest = _manifest(engine, tag, files, _merge_kinds(all_kinds), exclude_frozen)
+        _write_bytes_atomically(folder / MANIFEST, json.dumps(seal(manifest), indent=1).encode())
+        pause_point("manifest-written", rank)
         if save_latest:
             _write_bytes_atomically(root / LATEST, tag.encode())
-    comm.barrier()
+
+    on_every_rank(comm, commit, CheckpointError)
     return True
 
 
+def _merge_kinds(all_kinds: list[dict]) -> dict:
+    """Per parameter {"master", "optim"}, which every rank must agree on (it follows from
+    the parameter's shard size and the optimizer, both the same on every rank)."""
+    merged = all_kinds[0]
+    for rank, part in enumerate(all_kinds):
+        if part != merged:
+            names = sorted(n for n in set(part) | set(merged) if part.get(n) != merged.get(n))
+            raise CheckpointError(
+                f"rank {rank} holds different master / optimizer state kinds than rank 0 for {names[:5]}: "
+                f"{[part.get(n) for n in names[:5]]} vs {[merged.get(n) for n in names[:5]]}; the "
+                "optimizer state is inconsistent across ranks"
+            )
+    return merged
+
+
+def _manifest(engine: "Engine", tag: str, files: dict, kinds: dict, exclude_frozen: bool) -> dict[str, Any]:
+    return {
+        "format": "zero3",
+        "format_version": FORMAT_VERSION,
+        "zero3_version": _zero3_version(),
+        "torch_version": torch.__version__,
+        "tag": tag,
+        "world_size": engine.comm.world_size,
+        "partition": "flat, ceil(numel / world_size) elements per rank, in rank order",
+        "global_steps": engine.global_steps,
+        "micro_steps": engine.micro_steps,
+        "compute_dtype": _dtype_name(engine.compute_dtype),
+        "created_unix": time.time(),
+        "exclude_frozen_parameters": exclude_frozen,
+        "files": dict(sorted(files.items())),
+        "params": _param_layout(engine, exclude_frozen, kinds),
+        "buffers": {name: {"shape": list(b.shape), "dtype": _dtype_name(b.dtype)}
+                    for name, b in persistent_buffers(engine.module).items()},
+        "aliases": parameter_aliases(engine),
+    }
+
+
+def _body_digest(body: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def seal(manifest: dict[str, Any]) -> dict[str, Any]:
+    """The manifest with `checksum`: the sha256 of its canonical JSON without that key."""
+    body = {k: v for k, v in manifest.items() if k != "checksum"}
+    return {**body, "checksum": _body_digest(body)}
+
+
 def _validate_tag(engine: "Engine", tag: str) -> None:
-    if not tag or "/" in tag or tag in (".", ".."):
+    if not tag or "/" in tag or "\\" in tag or tag in (".", "..") or tag.startswith("."):
         raise CheckpointError(f"checkpoint tag {tag!r} is not a valid folder name; use e.g. 'global_step100'")
     tags = engine.comm.gather_objects(tag)
     if any(t != tag for t in tags):
@@ -278,17 +524,10 @@ def _zero3_version() -> str:
     return __version__
 
 
-# ----------------------------------------------------------------------- load
-def resolve_tag(load_dir: Path, tag) -> str | None:
-    if tag is not None:
-        return str(tag)
-    latest = load_dir / LATEST
-    if not latest.is_file():
-        return None
-    return latest.read_text().strip()
-
-
+# ------------------------------------------------------------ reading a folder
 def read_manifest(folder: Path) -> dict[str, Any]:
+    """The verified manifest of `folder`; CheckpointError if absent, damaged or foreign."""
+    folder = Path(folder)
     path = folder / MANIFEST
     if not path.is_file():
         raise CheckpointError(
@@ -297,28 +536,40 @@ def read_manifest(folder: Path) -> dict[str, Any]:
         )
     try:
         manifest = json.loads(path.read_text())
-    except ValueError as exc:
+    except (ValueError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{path} is not valid JSON ({exc}); the checkpoint is damaged") from exc
-    if manifest.get("format") != "zero3" or manifest.get("format_version") != FORMAT_VERSION:
+    if not isinstance(manifest, dict) or manifest.get("format") != "zero3":
+        raise CheckpointError(f"{path} is not a zero3 manifest")
+    if manifest.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(
-            f"{path}: format {manifest.get('format')!r} version {manifest.get('format_version')!r} "
-            f"is not zero3 checkpoint format version {FORMAT_VERSION}"
+            f"{path}: format version {manifest.get('format_version')!r}; this zero3 reads version "
+            f"{FORMAT_VERSION}"
         )
+    body = {k: v for k, v in manifest.items() if k != "checksum"}
+    if manifest.get("checksum") != _body_digest(body):
+        raise CheckpointError(f"{path}: its checksum does not match its contents (the manifest is corrupted)")
+    unlisted = [name for name in expected_files(manifest["world_size"]) if name not in manifest["files"]]
+    if unlisted:
+        raise CheckpointError(f"{path} does not list {unlisted}; the manifest is damaged")
     return manifest
 
 
-def verify_files(folder: Path, manifest: dict[str, Any], ranks: tuple[int, int] = (0, 1)) -> list[str]:
-    """Problems with the files of a checkpoint, checked by this rank's share (rank, world)."""
-    rank, world = ranks
+def verify_files(folder: Path, manifest: dict[str, Any], share: tuple[int, int] = (0, 1)) -> list[str]:
+    """Problems with the files of a checkpoint, each naming its file.
+
+    `share` = (rank, world): presence and size of every file are checked by every rank,
+    checksums and safetensors headers by this rank's share of the files only; rank 0
+    also looks for extra entries. The union over ranks is the full check.
+    """
+    folder = Path(folder)
+    rank, world = share
     problems: list[str] = []
     listed = manifest["files"]
     if rank == 0:
-        present = {p.name for p in folder.iterdir() if p.is_file()} - {MANIFEST}
+        present = {p.name for p in folder.iterdir()} - {MANIFEST}
         for extra in sorted(present - set(listed)):
             problems.append(f"{folder / extra}: extra file not listed in the manifest")
     for index, (name, expected) in enumerate(sorted(listed.items())):
-        if index % world != rank:
-            continue
         path = folder / name
         if not path.is_file():
             problems.append(f"{path}: missing")
@@ -327,46 +578,166 @@ def verify_files(folder: Path, manifest: dict[str, Any], ranks: tuple[int, int] 
         if size != expected["size"]:
             problems.append(f"{path}: size {size} bytes, manifest says {expected['size']} (truncated or overwritten)")
             continue
+        if index % world != rank:
+            continue
         if file_digest(path)["sha256"] != expected["sha256"]:
             problems.append(f"{path}: sha256 differs from the manifest (the file is corrupted)")
+        elif name.endswith(".safetensors") and name != MODEL_16BIT:
+            problems += _header_problems(path, manifest)
     return problems
 
 
-def model_differences(engine: "Engine", manifest: dict[str, Any], strict: bool) -> list[str]:
-    saved = manifest["params"]
-    differences = []
-    ours = {sp.name: sp for sp in engine.table.values()}
-    excluded_frozen = manifest.get("exclude_frozen_parameters", False)
-    for name, sp in ours.items():
-        entry = saved.get(name)
-        if entry is None:
-            if strict and not (excluded_frozen and not sp.requires_grad):
-                differences.append(f"missing in checkpoint: {name} {tuple(sp.shape)}")
-            continue
-        if list(sp.shape) != entry["shape"]:
-            differences.append(f"shape of {name}: model {tuple(sp.shape)}, checkpoint {tuple(entry['shape'])}")
-        dtype = str(sp.dtype).removeprefix("torch.")
-        if dtype != entry["dtype"]:
-            differences.append(f"dtype of {name}: model {dtype}, checkpoint {entry['dtype']}")
-    if strict:
-        for name in saved:
-            if name not in ours:
-                differences.append(f"unexpected in checkpoint (not in model): {name} {tuple(saved[name]['shape'])}")
-    return differences
+def _header_problems(path: Path, manifest: dict[str, Any]) -> list[str]:
+    """A shard file's tensors against the layout: names, lengths (the writer's invariants)."""
+    match = re.match(r"rank(\d{5})-of-(\d{5})", path.name)
+    if match is None:
+        return [f"{path}: not a zero3 shard file name"]
+    rank, world = int(match.group(1)), int(match.group(2))
+    problems = []
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            shapes = {key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()}
+    except Exception as exc:  # noqa: BLE001 - named
+        return [f"{path}: unreadable safetensors ({exc})"]
+    for name, entry in manifest["params"].items():
+        start, end = owned_range(entry["numel"], rank, world)
+        wanted = {f"param/{name}": (end - start,)}
+        if entry.get("master"):
+            wanted[f"master/{name}"] = (end - start,)
+        for key, kind in entry.get("optim", {}).items():
+            if kind == "elementwise":
+                wanted[f"optim/{name}/{key}"] = (end - start,)
+            elif f"optim_whole/{name}/{key}" not in shapes:
+                problems.append(f"{path}: no tensor optim_whole/{name}/{key}")
+        for key, shape in wanted.items():
+            if shapes.get(key) != shape:
+                problems.append(f"{path}: tensor {key} has shape {shapes.get(key)}, layout says {shape}")
+    if rank == 0:
+        for name, entry in manifest.get("buffers", {}).items():
+            if shapes.get(f"buffer/{name}") != tuple(entry["shape"]):
+                problems.append(f"{path}: buffer {name} has shape {shapes.get(f'buffer/{name}')}, "
+                                f"layout says {tuple(entry['shape'])}")
+    return problems
 
 
+def verify_checkpoint(folder: Path) -> list[str]:
+    """Every problem of one tag folder (manifest, files, checksums, headers), one process."""
+    try:
+        manifest = read_manifest(folder)
+    except CheckpointError as exc:
+        return [str(exc)]
+    return verify_files(folder, manifest)
+
+
+@dataclass
+class TagInfo:
+    """One tag folder of a save_dir, as `zero3 checkpoint inspect` shows it."""
+
+    tag: str
+    folder: Path
+    complete: bool
+    problem: str | None = None
+    manifest: dict[str, Any] | None = field(default=None, repr=False)
+    size_bytes: int = 0
+    files: int = 0
+
+
+def looks_like_checkpoint(folder: Path) -> bool:
+    return folder.is_dir() and any(_OURS.match(p.name) for p in folder.iterdir())
+
+
+def tag_info(folder: Path) -> TagInfo:
+    """Committed (a readable, sealed manifest) or not, and why not; sizes on disk."""
+    entries = [p for p in folder.iterdir() if p.is_file()]
+    info = TagInfo(folder.name, folder, False, size_bytes=sum(p.stat().st_size for p in entries),
+                   files=len(entries))
+    try:
+        info.manifest = read_manifest(folder)
+        info.complete = True
+    except CheckpointError as exc:
+        info.problem = str(exc)
+    return info
+
+
+def list_tags(root: Path) -> list[TagInfo]:
+    """Every checkpoint-looking folder under `root`, oldest first (committed ones by step)."""
+    root = Path(root)
+    infos = [tag_info(p) for p in sorted(root.iterdir()) if looks_like_checkpoint(p)] if root.is_dir() else []
+    return sorted(infos, key=_age)
+
+
+def _age(info: TagInfo) -> tuple:
+    if info.manifest is None:
+        return (1, 0, 0.0, info.tag)
+    return (0, info.manifest["global_steps"], info.manifest["created_unix"], info.tag)
+
+
+def read_latest(root: Path) -> str | None:
+    latest = Path(root) / LATEST
+    return latest.read_text().strip() if latest.is_file() else None
+
+
+def resolve_tag(root: Path, tag) -> tuple[str | None, str | None]:
+    """(tag to load or None, warning or None), by the rules in the module docstring."""
+    root = Path(root)
+    if tag is not None:
+        if not (root / str(tag)).is_dir():
+            return None, f"zero3: checkpoint tag {str(tag)!r} not found in {root}; nothing was loaded"
+        return str(tag), None
+    named = read_latest(root)
+    if named is None:
+        return None, (f"zero3: no checkpoint to load in {root}: it has no '{LATEST}' file; pass tag= "
+                      "to load a specific one. Nothing was loaded")
+    folder = root / named
+    if (folder / MANIFEST).is_file():
+        return named, None
+    committed = [info for info in list_tags(root) if info.complete]
+    why = "has no folder" if not folder.is_dir() else f"has no {MANIFEST} (its save was interrupted)"
+    if not committed:
+        raise CheckpointError(
+            f"{root / LATEST} names tag {named!r}, which {why}, and {root} holds no other complete "
+            "checkpoint; refusing to start from scratch silently. Pass tag= or remove the directory"
+        )
+    chosen = committed[-1]
+    return chosen.tag, (
+        f"zero3: {root / LATEST} names tag {named!r}, which {why}; loading the newest complete "
+        f"checkpoint instead: {chosen.tag!r} (global step {chosen.manifest['global_steps']})"
+    )
+
+
+# ----------------------------------------------------------------------- reader
 class ShardReader:
-    """Reads any element range of a saved tensor from the files of all source ranks."""
+    """Reads any element range of a saved tensor from the files of all source ranks.
 
-    def __init__(self, folder: Path, world: int) -> None:
-        self.world = world
-        self.handles = [safe_open(str(folder / shard_file(r, world)), framework="pt") for r in range(world)]
-        self.keys = [set(h.keys()) for h in self.handles]
+    A context manager: the files are open (memory-mapped) only inside `with`.
+    """
 
-    def has(self, key: str) -> bool:
-        return any(key in keys for keys in self.keys)
+    def __init__(self, folder: Path, manifest: dict[str, Any]) -> None:
+        self.folder = Path(folder)
+        self.world = manifest["world_size"]
+        self._stack = ExitStack()
+        self.handles: list[Any] = []
+        self.keys: list[set[str]] = []
+
+    def __enter__(self) -> "ShardReader":
+        try:
+            for rank in range(self.world):
+                handle = self._stack.enter_context(
+                    safe_open(str(self.folder / shard_file(rank, self.world)), framework="pt"))
+                self.handles.append(handle)
+                self.keys.append(set(handle.keys()))
+        except BaseException:
+            self._stack.close()
+            raise
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.handles.clear()
+        self.keys.clear()
+        self._stack.close()
 
     def read_range(self, key: str, numel: int, start: int, end: int) -> torch.Tensor:
+        """Elements [start, end) of the flattened tensor `key` (numel elements in all)."""
         pieces = []
         for src in range(self.world):
             src_start, src_end = owned_range(numel, src, self.world)
@@ -375,18 +746,122 @@ class ShardReader:
                 continue
             pieces.append(self.handles[src].get_slice(key)[lo - src_start:hi - src_start])
         if not pieces:
-            return torch.empty(0)
+            return self.handles[0].get_slice(key)[0:0]
         return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
 
-    def read_whole(self, key: str) -> torch.Tensor:
-        for handle, keys in zip(self.handles, self.keys):
-            if key in keys:
-                return handle.get_tensor(key)
-        raise KeyError(key)
+    def read_whole(self, key: str, rank: int = 0) -> torch.Tensor:
+        """Tensor `key` as saved by source rank `rank` (not resharded)."""
+        return self.handles[rank].get_tensor(key)
 
-    def optim_keys(self, kind: str, name: str) -> list[str]:
-        prefix = f"{kind}/{name}/"
-        return sorted({k[len(prefix):] for keys in self.keys for k in keys if k.startswith(prefix)})
+
+# ----------------------------------------------------------------------- load
+def model_differences(engine: "Engine", manifest: dict[str, Any], strict: bool) -> list[str]:
+    """Every way the model's parameters and buffers differ from the checkpoint's."""
+    saved = manifest["params"]
+    differences = []
+    ours = {sp.name: sp for sp in engine.table.values()}
+    excluded_frozen = manifest.get("exclude_frozen_parameters", False)
+    missing, unexpected = [], []
+    for name, sp in ours.items():
+        entry = saved.get(name)
+        if entry is None:
+            if not (excluded_frozen and not sp.requires_grad):
+                missing.append((name, tuple(sp.shape), _dtype_name(sp.dtype)))
+            continue
+        differences += _entry_differences(name, tuple(sp.shape), _dtype_name(sp.dtype), entry)
+    unexpected = [(n, tuple(e["shape"]), e["dtype"]) for n, e in saved.items() if n not in ours]
+    buffers = persistent_buffers(engine.module)
+    saved_buffers = manifest.get("buffers", {})
+    for name, buffer in buffers.items():
+        if name in saved_buffers:
+            differences += _entry_differences(name, tuple(buffer.shape), _dtype_name(buffer.dtype),
+                                              saved_buffers[name], "buffer ")
+        else:
+            missing.append((f"{name} (buffer)", tuple(buffer.shape), _dtype_name(buffer.dtype)))
+    unexpected += [(f"{n} (buffer)", tuple(e["shape"]), e["dtype"])
+                   for n, e in saved_buffers.items() if n not in buffers]
+    if strict:
+        differences += [f"missing in checkpoint: {n} {s} {d}" for n, s, d in missing]
+        differences += [f"unexpected in checkpoint (not in model): {n} {s} {d}" for n, s, d in unexpected]
+        differences += _rename_hints(missing, unexpected)
+    return differences
+
+
+def _entry_differences(name: str, shape: tuple, dtype: str, entry: dict, kind: str = "") -> list[str]:
+    out = []
+    if list(shape) != list(entry["shape"]):
+        out.append(f"shape of {kind}{name}: model {shape}, checkpoint {tuple(entry['shape'])}")
+    if dtype != entry["dtype"]:
+        out.append(f"dtype of {kind}{name}: model {dtype}, checkpoint {entry['dtype']}")
+    return out
+
+
+def _rename_hints(missing: list, unexpected: list) -> list[str]:
+    hints = []
+    for name, shape, dtype in missing:
+        same = [n for n, s, d in unexpected if (s, d) == (shape, dtype)]
+        if len(same) == 1:
+            hints.append(f"renamed? checkpoint {same[0]} -> model {name} (same shape and dtype)")
+    return hints
+
+
+@dataclass
+class _Plan:
+    """Everything a load will write, read and checked before any state is touched."""
+
+    folder: Path
+    manifest: dict[str, Any]
+    common: dict[str, Any]
+    rng: dict[str, Any] | None
+    restore_optimizer: bool
+
+
+def _plan(engine: "Engine", folder: Path, manifest: dict[str, Any], strict: bool,
+          load_optimizer_states: bool, load_lr_scheduler_states: bool, load_module_only: bool) -> _Plan:
+    differences = model_differences(engine, manifest, strict)
+    if differences:
+        raise CheckpointError(
+            f"checkpoint {folder} does not fit the model ({len(differences)} differences; "
+            "load_module_strict=False skips missing and unexpected names), nothing was loaded:\n  "
+            + "\n  ".join(differences)
+        )
+    restore_optimizer = load_optimizer_states and not load_module_only and engine.optimizer is not None
+    common = _unpickle_file(folder / COMMON)
+    if restore_optimizer:
+        _check_optimizer_fits(engine, folder, manifest, common)
+    if (not load_module_only and load_lr_scheduler_states and engine.lr_scheduler is not None
+            and common.get("lr_scheduler") is not None
+            and common.get("lr_scheduler_type") != type(engine.lr_scheduler).__qualname__):
+        raise CheckpointError(
+            f"checkpoint {folder} holds the state of a {common.get('lr_scheduler_type')} scheduler, the "
+            f"engine has a {type(engine.lr_scheduler).__qualname__}; use the same scheduler or pass "
+            "load_lr_scheduler_states=False"
+        )
+    rank, world = engine.comm.rank, manifest["world_size"]
+    rng = _unpickle_file(folder / state_file(rank, world)) if (rank < world and not load_module_only) else None
+    return _Plan(folder, manifest, common, rng, restore_optimizer)
+
+
+def _check_optimizer_fits(engine: "Engine", folder: Path, manifest: dict, common: dict) -> None:
+    groups = engine.optimizer.optimizer.param_groups
+    saved_groups = common["param_groups"]
+    if len(saved_groups) != len(groups):
+        raise CheckpointError(
+            f"checkpoint {folder} has {len(saved_groups)} optimizer param groups, the optimizer "
+            f"has {len(groups)}; build the optimizer with the same groups, or pass "
+            "load_optimizer_states=False"
+        )
+    if manifest["world_size"] == engine.comm.world_size:
+        return
+    with ShardReader(folder, manifest) as reader:
+        for name, entry in manifest["params"].items():
+            for key, kind in entry.get("optim", {}).items():
+                if kind == "whole" and reader.handles[0].get_slice(f"optim_whole/{name}/{key}").get_shape():
+                    raise CheckpointError(
+                        f"optimizer state {key!r} of {name} is neither elementwise nor a scalar, so it "
+                        f"cannot be resharded from {manifest['world_size']} to {engine.comm.world_size} "
+                        "ranks; load on the same number of ranks or pass load_optimizer_states=False"
+                    )
 
 
 def _fill(target: torch.Tensor, values: torch.Tensor) -> None:
@@ -396,80 +871,72 @@ def _fill(target: torch.Tensor, values: torch.Tensor) -> None:
         target[: values.numel()].copy_(values.to(target.dtype))
 
 
-def _load_param(engine: "Engine", sp: ShardedParam, reader: ShardReader, numel: int) -> torch.Tensor:
+def _apply_param(engine: "Engine", sp: ShardedParam, reader: ShardReader, plan: _Plan,
+                 masters: dict[int, torch.Tensor], groups: dict[int, dict]) -> None:
+    entry = plan.manifest["params"][sp.name]
+    numel = entry["numel"]
     start, end = sp.range_of(sp.rank)
-    values = reader.read_range(f"param/{sp.name}", numel, start, end)
-    _fill(sp.shard, values)
+    _fill(sp.shard, reader.read_range(f"param/{sp.name}", numel, start, end))
     if sp.state is ParamState.FULL and sp.numel:
         full = reader.read_range(f"param/{sp.name}", numel, 0, numel).to(sp.param.device, sp.dtype)
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(sp.param):
             sp.param.data.view(-1).copy_(full)
-    return values
-
-
-def _load_optimizer_of(engine: "Engine", sp: ShardedParam, reader: ShardReader, numel: int,
-                       extras: dict[str, Any], load_states: bool) -> None:
-    optimizer = engine.optimizer
-    master = optimizer.master_of(sp) if optimizer is not None else None
+    master = masters.get(id(sp))
     if master is None:
         return
-    start, end = sp.range_of(sp.rank)
     if master is not sp.shard:
-        key = f"master/{sp.name}" if reader.has(f"master/{sp.name}") else f"param/{sp.name}"
-        _fill(master, reader.read_range(key, numel, start, end))
-    if not load_states:
-        return
-    state: dict[str, Any] = dict(extras.get(sp.name, {}))
-    for key in reader.optim_keys("optim", sp.name):
-        sliced = reader.read_range(f"optim/{sp.name}/{key}", numel, start, end)
-        value = torch.zeros(master.shape, dtype=sliced.dtype, device=master.device)
-        _fill(value, sliced)
+        if plan.restore_optimizer and entry.get("master"):
+            _fill(master, reader.read_range(f"master/{sp.name}", numel, start, end))
+        else:  # as DeepSpeed: the fp32 master is refreshed from the loaded 16-bit weights
+            _fill(master, sp.shard)
+    if plan.restore_optimizer:
+        state = _optimizer_state_of(engine, sp, reader, plan, master, groups[id(master)])
+        optimizer_state = engine.optimizer.optimizer.state
+        if state:
+            optimizer_state[master] = state
+        else:
+            optimizer_state.pop(master, None)
+
+
+def _optimizer_state_of(engine: "Engine", sp: ShardedParam, reader: ShardReader, plan: _Plan,
+                        master: torch.Tensor, group: dict) -> dict[str, Any]:
+    entry = plan.manifest["params"][sp.name]
+    numel = entry["numel"]
+    start, end = sp.range_of(sp.rank)
+    same_world = plan.manifest["world_size"] == engine.comm.world_size
+    state: dict[str, Any] = dict(plan.common.get("optim_extras", {}).get(sp.name, {}))
+    on_device = bool(group.get("fused") or group.get("capturable"))
+    for key, kind in entry.get("optim", {}).items():
+        if kind == "elementwise":
+            sliced = reader.read_range(f"optim/{sp.name}/{key}", numel, start, end)
+            value = torch.zeros(master.shape, dtype=sliced.dtype, device=master.device)
+            _fill(value, sliced)
+        else:
+            value = reader.read_whole(f"optim_whole/{sp.name}/{key}", sp.rank if same_world else 0)
+            if key != "step" or on_device:  # torch keeps a plain optimizer's `step` on the CPU
+                value = value.to(master.device)
         state[key] = value
-    for key in reader.optim_keys("optim_whole", sp.name):
-        whole = reader.read_whole(f"optim_whole/{sp.name}/{key}")
-        state[key] = whole if whole.dim() == 0 else whole.to(master.device)  # `step` stays on cpu
-    optimizer.optimizer.state[master] = state
+    return state
 
 
-def load(engine: "Engine", load_dir, tag, strict: bool, load_optimizer_states: bool,
-         load_lr_scheduler_states: bool, load_module_only: bool):
-    comm = engine.comm
-    root = Path(load_dir)
-    resolved = resolve_tag(root, tag)
-    folder = root / resolved if resolved is not None else None
-    if folder is None or not folder.is_dir():
-        logger.warning(
-            "zero3: no checkpoint to load in %s (%s); nothing was loaded",
-            root, "no 'latest' file" if resolved is None else f"tag {resolved!r} not found",
-        )
-        return None, None
-    manifest = _agreed(comm, lambda: read_manifest(folder))
-    problems = verify_files(folder, manifest, (comm.rank, comm.world_size))
-    problems = [p for part in comm.gather_objects(problems) for p in part]
-    if problems:
-        raise CheckpointError(
-            f"checkpoint {folder} failed verification, nothing was loaded:\n  " + "\n  ".join(problems)
-        )
-    differences = model_differences(engine, manifest, strict)
-    if differences:
-        raise CheckpointError(
-            f"checkpoint {folder} does not fit the model ({len(differences)} differences; "
-            "load_module_strict=False skips missing and unexpected names):\n  " + "\n  ".join(differences)
-        )
-    common = torch.load(folder / COMMON, weights_only=True)
-    reader = ShardReader(folder, manifest["world_size"])
-    extras = common.get("optim_extras", {})
-    restore_optimizer = load_optimizer_states and not load_module_only
+def _apply(engine: "Engine", plan: _Plan, load_lr_scheduler_states: bool, load_module_only: bool) -> None:
+    masters = _master_map(engine)
+    groups = {}
     if engine.optimizer is not None:
-        engine.optimizer.optimizer.state.clear()
-    for sp in engine.table.values():
-        entry = manifest["params"].get(sp.name)
-        if entry is None:
-            continue
-        _load_param(engine, sp, reader, entry["numel"])
-        _load_optimizer_of(engine, sp, reader, entry["numel"], extras, restore_optimizer)
-    if restore_optimizer and engine.optimizer is not None:
-        _restore_param_groups(engine, common["param_groups"], folder)
+        groups = {id(p): g for g in engine.optimizer.optimizer.param_groups for p in g["params"]}
+    with ShardReader(plan.folder, plan.manifest) as reader:
+        for sp in engine.table.values():
+            if sp.name in plan.manifest["params"]:
+                _apply_param(engine, sp, reader, plan, masters, groups)
+        saved_buffers = plan.manifest.get("buffers", {})
+        with torch.no_grad():
+            for name, buffer in persistent_buffers(engine.module).items():
+                if name in saved_buffers:
+                    buffer.copy_(reader.read_whole(f"buffer/{name}"))
+    common = plan.common
+    if plan.restore_optimizer:
+        for group, saved in zip(engine.optimizer.optimizer.param_groups, common["param_groups"]):
+            group.update(saved)
     if not load_module_only:
         if load_lr_scheduler_states and engine.lr_scheduler is not None and common["lr_scheduler"] is not None:
             engine.lr_scheduler.load_state_dict(common["lr_scheduler"])
@@ -479,41 +946,42 @@ def load(engine: "Engine", load_dir, tag, strict: bool, load_optimizer_states: b
         engine.skipped_steps = common["skipped_steps"]
         if common.get("loss_scaler") is not None and hasattr(engine, "load_loss_scaler_state"):
             engine.load_loss_scaler_state(common["loss_scaler"])
-        _restore_rng(folder, manifest, comm.rank)
-    if engine.optimizer is not None:
-        engine.optimizer.zero_grad()
-    comm.barrier()
-    return str(folder), common["client_state"]
+        if plan.rng is not None:
+            _set_rng_state(plan.rng["rng"])
+        elif engine.comm.rank >= plan.manifest["world_size"]:
+            logger.warning("zero3: rank %d has no saved RNG state (checkpoint of %d ranks); its RNG is "
+                           "not restored", engine.comm.rank, plan.manifest["world_size"])
+    engine.zero_grad()
 
 
-def _restore_param_groups(engine: "Engine", saved_groups: list[dict], folder: Path) -> None:
-    groups = engine.optimizer.optimizer.param_groups
-    if len(saved_groups) != len(groups):
+def load(engine: "Engine", load_dir, tag, strict: bool, load_optimizer_states: bool,
+         load_lr_scheduler_states: bool, load_module_only: bool):
+    """Verify, then load a checkpoint; (path, client_state), or (None, None) when absent.
+
+    A collective. Every check runs before any state is written; a failed check raises
+    the same CheckpointError on every rank and leaves the engine as it was.
+    """
+    comm = engine.comm
+    root = Path(load_dir)
+    resolved, warning = on_every_rank(comm, lambda: resolve_tag(root, tag), CheckpointError)
+    choices = comm.gather_objects(resolved)
+    if any(choice != resolved for choice in choices):
+        raise CheckpointError(f"ranks see different checkpoints in {root}: {choices}; is it on a shared filesystem?")
+    if warning:
+        logger.warning(warning)
+    if resolved is None:
+        return None, None
+    folder = root / resolved
+    manifest = on_every_rank(comm, lambda: read_manifest(folder), CheckpointError)
+    mine = on_every_rank(comm, lambda: verify_files(folder, manifest, (comm.rank, comm.world_size)),
+                         CheckpointError)
+    problems = [p for part in comm.gather_objects(mine) for p in part]
+    if problems:
         raise CheckpointError(
-            f"checkpoint {folder} has {len(saved_groups)} optimizer param groups, the optimizer "
-            f"has {len(groups)}; build the optimizer with the same groups, or pass "
-            "load_optimizer_states=False"
+            f"checkpoint {folder} failed verification, nothing was loaded:\n  " + "\n  ".join(sorted(set(problems)))
         )
-    for group, saved in zip(groups, saved_groups):
-        group.update(saved)
-
-
-def _restore_rng(folder: Path, manifest: dict[str, Any], rank: int) -> None:
-    if rank >= manifest["world_size"]:
-        logger.warning("zero3: rank %d has no saved RNG state (checkpoint of %d ranks); RNG not restored",
-                       rank, manifest["world_size"])
-        return
-    state = torch.load(folder / state_file(rank, manifest["world_size"]), weights_only=True)
-    _set_rng_state(state["rng"])
-
-
-def _agreed(comm, read):
-    """Run `read` on every rank; if it fails on any rank, raise the same error on all."""
-    try:
-        value, error = read(), None
-    except CheckpointError as exc:
-        value, error = None, str(exc)
-    errors = [e for e in comm.gather_objects(error) if e]
-    if errors:
-        raise CheckpointError(errors[0])
-    return value
+    plan = on_every_rank(comm, lambda: _plan(engine, folder, manifest, strict, load_optimizer_states,
+                                             load_lr_scheduler_states, load_module_only), CheckpointError)
+    _apply(engine, plan, load_lr_scheduler_states, load_module_only)
+    comm.barrier()
+    return str(folder), plan.common["client_state"]

@@ -1,68 +1,440 @@
 """Consolidated state dicts (fp32 or 16-bit) written as safetensors, and held-byte counts.
 
 Consolidation streams one parameter at a time: it is all-gathered (a collective: every
-rank calls it), rank 0 copies it to host memory, and it is released again, so no device
-ever holds more than one whole parameter beyond its shards. Names are the model's own
-(`named_parameters()`), so the result loads with plain `model.load_state_dict` (buffers
-included).
+rank calls it), rank 0 copies it to host memory and writes its bytes straight into the
+output file, and it is released again. No device ever holds more than one whole
+parameter beyond its shards, and rank 0's host never holds more than one either: the
+safetensors header is written first (names, dtypes and shapes are known up front), then
+each tensor's bytes as it arrives (`write_safetensors`).
+
+Names are the model's own, in `model.state_dict()` order: every name of a tied parameter
+(each written in full, since plain `load_state_dict(strict=True)` asks for every name) and
+the persistent buffers, so the result loads with plain `model.load_state_dict`.
+
+Offline export (`export_checkpoint`) does the same from a checkpoint's shard files, in one
+process and without torch.distributed: it is what `zero3 checkpoint export` runs.
+
+DeepSpeed's `safe_get_full_fp32_param` / `safe_get_full_optimizer_state` have their
+counterparts here (`full_fp32_param`, `full_optimizer_state`): collectives that return one
+parameter's whole, unpadded value on every rank.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import struct
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
-from safetensors.torch import save_file
+from torch import nn
 
 if TYPE_CHECKING:
     from .engine import Engine
+    from .partition import ShardedParam
+
+
+class ExportError(RuntimeError):
+    """A consolidated export cannot be written as asked."""
+
+
+# ------------------------------------------------------------ safetensors, streaming
+SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2", torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
+}
+
+
+class TensorSpec(NamedTuple):
+    """What one tensor of a safetensors file will be: known before its bytes exist."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        numel = 1
+        for size in self.shape:
+            numel *= size
+        return numel * torch.empty((), dtype=self.dtype).element_size()
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename or a new file in `path` durable (the directory entry itself)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def safetensors_header(specs: Sequence[TensorSpec], metadata: dict[str, str] | None) -> bytes:
+    """The 8-byte length and the JSON header, padded with spaces to 8-byte alignment.
+
+    Offsets follow the order of `specs`: the data section is the tensors' bytes back to
+    back in that order, as the safetensors format requires (no holes, no overlap).
+    """
+    header: dict[str, Any] = {}
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    offset = 0
+    for spec in specs:
+        if spec.dtype not in SAFETENSORS_DTYPES:
+            raise ExportError(f"{spec.name}: dtype {spec.dtype} has no safetensors code; convert it first")
+        if spec.name in header:
+            raise ExportError(f"tensor name {spec.name!r} appears twice")
+        header[spec.name] = {"dtype": SAFETENSORS_DTYPES[spec.dtype], "shape": list(spec.shape),
+                             "data_offsets": [offset, offset + spec.nbytes]}
+        offset += spec.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def write_safetensors(path: Path, specs: Sequence[TensorSpec], tensors: Iterable[torch.Tensor],
+                      metadata: dict[str, str] | None = None,
+                      after_first: Callable[[], None] | None = None) -> dict[str, Any]:
+    """Write `tensors` (one per spec, in order) to `path`, one tensor in memory at a time.
+
+    Crash safety: the bytes go to `<path>.tmp`, which is fsynced and then renamed over
+    `path` (and the directory fsynced), so `path` is either absent, its old version, or
+    the complete new file. Returns {"size", "sha256"} of what was written, hashed on the
+    way out (no second read). `after_first` runs once the first tensor's bytes have been
+    flushed to the file (the checkpoint's fault-injection point for a half-written file).
+    """
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    digest = hashlib.sha256()
+    size = 0
+    with open(tmp, "wb") as f:
+        def put(data) -> None:
+            nonlocal size
+            f.write(data)
+            digest.update(data)
+            size += memoryview(data).nbytes
+
+        put(safetensors_header(specs, metadata))
+        source = iter(tensors)  # not zip(): its reused result tuple would keep the last tensor alive
+        for count, spec in enumerate(specs, start=1):
+            tensor = next(source, None)
+            if tensor is None:
+                raise ExportError(f"{path}: {len(specs)} tensors announced, {count - 1} given")
+            _check_matches(spec, tensor)
+            put(tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().data)
+            del tensor  # nothing of it is kept while the next one is produced
+            if count == 1 and after_first is not None:
+                f.flush()
+                after_first()
+        if next(source, None) is not None:
+            raise ExportError(f"{path}: more tensors given than the {len(specs)} announced")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+    return {"size": size, "sha256": digest.hexdigest()}
+
+
+def _check_matches(spec: TensorSpec, tensor: torch.Tensor) -> None:
+    if tensor.dtype != spec.dtype or tuple(tensor.shape) != tuple(spec.shape):
+        raise ExportError(
+            f"{spec.name}: announced {spec.dtype} {tuple(spec.shape)}, got {tensor.dtype} "
+            f"{tuple(tensor.shape)} (an engine invariant is broken)"
+        )
+
+
+def on_every_rank(comm, fn: Callable[[], Any], error: type[Exception] = RuntimeError) -> Any:
+    """Run `fn` on every rank; if it raises on any rank, raise on every rank.
+
+    The error raised everywhere names each failing rank and its message, so a problem
+    seen by one rank (a file it could not write or read) never leaves the others waiting
+    in the next collective. A collective itself: every rank must call it.
+    """
+    try:
+        value, failure = fn(), None
+    except Exception as exc:  # noqa: BLE001 - reported on every rank below
+        value, failure = None, exc
+    messages = comm.gather_objects(None if failure is None else _describe(failure, error))
+    failed = [(rank, text) for rank, text in enumerate(messages) if text is not None]
+    if not failed:
+        return value
+    if len(failed) == 1 or all(text == failed[0][1] for _, text in failed):
+        ranks = ", ".join(str(rank) for rank, _ in failed)
+        text = failed[0][1] if comm.world_size == 1 else f"on rank {ranks}: {failed[0][1]}"
+    else:
+        text = "\n".join(f"rank {rank}: {message}" for rank, message in failed)
+    raise error(text) from failure
+
+
+def _describe(exc: Exception, expected: type[Exception]) -> str:
+    return str(exc) if isinstance(exc, expected) else f"{type(exc).__name__}: {exc}"
+
+
+# ------------------------------------------------------------- the model's own names
+def state_dict_entries(module: nn.Module) -> list[tuple[str, str, torch.Tensor]]:
+    """(name, "param" | "buffer", tensor) for every key of `module.state_dict()`, in order.
+
+    Walks modules as `nn.Module.state_dict` does: a module's parameters, then its
+    persistent buffers, then its children; a tied parameter appears under each name.
+    """
+    out: list[tuple[str, str, torch.Tensor]] = []
+
+    def walk(mod: nn.Module, prefix: str) -> None:
+        for name, p in mod._parameters.items():
+            if p is not None:
+                out.append((prefix + name, "param", p))
+        for name, b in mod._buffers.items():
+            if b is not None and name not in mod._non_persistent_buffers_set:
+                out.append((prefix + name, "buffer", b))
+        for name, child in mod._modules.items():
+            if child is not None:
+                walk(child, prefix + name + ".")
+
+    walk(module, "")
+    return out
+
+
+def persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Buffers that `module.state_dict()` holds, by their state-dict name."""
+    return {name: t for name, kind, t in state_dict_entries(module) if kind == "buffer"}
+
+
+def parameter_aliases(engine: "Engine") -> dict[str, str]:
+    """Second and later names of tied parameters -> the name the engine keeps them under."""
+    aliases = {}
+    for name, kind, tensor in state_dict_entries(engine.module):
+        if kind == "param" and tensor in engine.table and engine.table[tensor].name != name:
+            aliases[name] = engine.table[tensor].name
+    return aliases
+
+
+# ---------------------------------------------------------------- gathering, in order
+def gather_full(engine: "Engine", sp: "ShardedParam", local: torch.Tensor) -> torch.Tensor:
+    """All ranks' `local` shards (shard_numel elements each) -> the whole unpadded tensor.
+
+    A collective: every rank calls it for the same parameter in the same order. The
+    result, on every rank, has `sp.shape` and `local`'s dtype, on the engine's device.
+    """
+    comm = engine.comm
+    if local.numel() != sp.shard_numel:
+        raise ExportError(f"{sp.name}: a shard-shaped tensor has {local.numel()} elements, expected {sp.shard_numel}")
+    rows = torch.empty(comm.world_size * sp.shard_numel, dtype=local.dtype, device=engine.device)
+    comm.all_gather_into(rows, local.detach().to(engine.device).reshape(-1))
+    return rows[: sp.numel].view(sp.shape)
+
+
+def _masters(engine: "Engine") -> dict[int, torch.Tensor]:
+    if engine.optimizer is None:
+        return {}
+    return {id(sp): m for sp, m in zip(engine.optimizer.params, engine.optimizer.masters)}
+
+
+def full_fp32_param(engine: "Engine", param: nn.Parameter) -> torch.Tensor:
+    """The whole fp32 master of `param` on every rank (its compute values, upcast, when it
+    has no master: a frozen parameter). Collective, as DeepSpeed's safe_get_full_fp32_param."""
+    sp = engine.table[param]
+    master = _masters(engine).get(id(sp))
+    local = master if master is not None else sp.shard.float()
+    return gather_full(engine, sp, local).cpu()
+
+
+def full_optimizer_state(engine: "Engine", param: nn.Parameter, key: str) -> torch.Tensor | None:
+    """The whole optimizer state `key` (e.g. "exp_avg") of `param` on every rank; a scalar
+    state (e.g. "step") as it is; None if the parameter has no such state. Collective."""
+    sp = engine.table[param]
+    master = _masters(engine).get(id(sp))
+    state = engine.optimizer.optimizer.state.get(master, {}) if master is not None else {}
+    present = engine.comm.gather_objects(key in state)
+    if not any(present):
+        return None
+    if not all(present):
+        raise ExportError(f"optimizer state {key!r} of {sp.name} exists on some ranks only: {present}")
+    value = state[key]
+    if isinstance(value, torch.Tensor) and master is not None and value.shape == master.shape:
+        return gather_full(engine, sp, value).cpu()
+    return value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value
+
+
+def export_specs(engine: "Engine", dtype: torch.dtype | None, exclude_frozen: bool,
+                 use_master: bool) -> list[tuple[TensorSpec, str, Any]]:
+    """(spec, kind, source) for each tensor of a consolidated export, in write order.
+
+    kind "param": source is the ShardedParam (every alias follows its canonical name at
+    once, so one gathered value serves them all); kind "buffer": the buffer itself.
+    Parameters become `dtype` (None: their own; fp32 with `use_master` when a master
+    exists). Buffers keep their dtype, as in DeepSpeed's 16-bit state dict.
+    """
+    masters = _masters(engine) if use_master else {}
+    names_of: dict[int, list[str]] = {}
+    order: list[tuple[str, str, Any]] = []
+    for name, kind, tensor in state_dict_entries(engine.module):
+        if kind == "buffer":
+            order.append((name, kind, tensor))
+            continue
+        sp = engine.table[tensor]
+        if exclude_frozen and not sp.requires_grad:
+            continue
+        if id(sp) not in names_of:
+            names_of[id(sp)] = []
+            order.append((sp.name, kind, sp))
+        names_of[id(sp)].append(name)
+    specs: list[tuple[TensorSpec, str, Any]] = []
+    for name, kind, source in order:
+        if kind == "buffer":
+            specs.append((TensorSpec(name, source.dtype, tuple(source.shape)), kind, source))
+            continue
+        own = torch.float32 if id(source) in masters else source.dtype
+        out_dtype = dtype if (dtype is not None and source.dtype.is_floating_point) else own
+        for alias in names_of[id(source)]:
+            specs.append((TensorSpec(alias, out_dtype, tuple(source.shape)), kind, source))
+    return specs
+
+
+def iter_consolidated(engine: "Engine", specs: list[tuple[TensorSpec, str, Any]],
+                      use_master: bool) -> Iterator[torch.Tensor | None]:
+    """The tensors of `specs`, one at a time, on CPU on rank 0 (None elsewhere).
+
+    A collective generator: every rank must run it to the end. Each parameter is gathered
+    once and its value reused for its aliases; nothing is kept after it is yielded.
+    """
+    masters = _masters(engine) if use_master else {}
+    rank0 = engine.comm.rank == 0
+    last_sp, last_value = None, None
+    for spec, kind, source in specs:
+        if kind == "buffer":
+            yield source.detach().to("cpu", spec.dtype) if rank0 else None
+            continue
+        if source is not last_sp:
+            last_sp = last_value = None  # the previous parameter is gone before the next arrives
+            master = masters.get(id(source))
+            local = master if master is not None else source.shard
+            full = gather_full(engine, source, local)
+            last_sp, last_value = source, (full.to("cpu", spec.dtype) if rank0 else None)
+            del full
+        yield last_value
 
 
 def consolidated_state_dict(engine: "Engine", dtype: torch.dtype | None = None,
                             exclude_frozen: bool = False, use_master: bool = False) -> dict[str, torch.Tensor]:
     """The whole model's state dict on rank 0 (CPU tensors); empty on other ranks.
 
-    `use_master=True` takes trainable values from the fp32 master shards (exact fp32
-    weights under bf16/fp16 training); otherwise from the compute-dtype parameters.
+    A collective. Keys are those of `model.state_dict()`. `use_master=True` takes
+    trainable values from the fp32 master shards (exact fp32 weights under bf16
+    training); otherwise from the compute-dtype parameters. Floating parameters are cast
+    to `dtype` when given; buffers keep theirs.
     """
-    comm = engine.comm
+    specs = export_specs(engine, dtype, exclude_frozen, use_master)
     out: dict[str, torch.Tensor] = {}
-    for sp in engine.table.values():
-        if exclude_frozen and not sp.requires_grad:
-            continue
-        master = engine.optimizer.master_of(sp) if (use_master and engine.optimizer is not None) else None
-        local = (master if master is not None else sp.shard).detach()
-        rows = torch.empty(comm.world_size * sp.shard_numel, dtype=local.dtype, device=engine.device)
-        comm.all_gather_into(rows, local.to(engine.device))
-        if comm.rank == 0:
-            full = rows[: sp.numel].view(sp.shape).cpu()
-            out[sp.name] = full.to(dtype) if dtype is not None else full.clone()
-        del rows
-    if comm.rank == 0:
-        for name, buffer in engine.module.named_buffers():
-            out[name] = buffer.detach().cpu().to(dtype) if (dtype and buffer.is_floating_point()) else buffer.detach().cpu().clone()
+    for (spec, _, _), value in zip(specs, iter_consolidated(engine, specs, use_master)):
+        if value is not None:
+            out[spec.name] = value.clone()
     return out
 
 
-def save_safetensors(state: dict[str, torch.Tensor], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp), metadata={"format": "pt"})
-    os.replace(tmp, path)
+def save_consolidated(engine: "Engine", path, dtype: torch.dtype | None = None,
+                      exclude_frozen: bool = False, use_master: bool = False) -> dict[str, Any] | None:
+    """Stream the consolidated state dict into one safetensors file (rank 0 writes).
+
+    A collective. Returns the file's {"size", "sha256"} on rank 0, None elsewhere.
+    """
+    specs = export_specs(engine, dtype, exclude_frozen, use_master)
+    values = iter_consolidated(engine, specs, use_master)
+    if engine.comm.rank != 0:
+        for _ in values:
+            pass
+        return None
+    try:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return write_safetensors(path, [s for s, _, _ in specs], values, metadata={"format": "pt"})
+    finally:
+        for _ in values:  # after an error, keep the gathers in step with the other ranks
+            pass
 
 
 def save_16bit_model(engine: "Engine", save_dir, save_filename: str, exclude_frozen: bool) -> bool:
-    """DeepSpeed's save_16bit_model: the compute-dtype weights, whole, in one file (rank 0)."""
-    dtype = engine.compute_dtype if engine.compute_dtype != torch.float32 else None
-    state = consolidated_state_dict(engine, dtype=dtype, exclude_frozen=exclude_frozen)
-    if engine.comm.rank == 0:
-        save_safetensors(state, Path(save_dir) / save_filename)
-    engine.comm.barrier()
+    """DeepSpeed's save_16bit_model: the compute-dtype weights, whole, in one file (rank 0).
+
+    Unlike DeepSpeed, this works whatever `gather_16bit_weights_on_model_save` says: the
+    export streams one parameter at a time, so it never needs the memory DeepSpeed's
+    switch protects. That switch makes save_checkpoint write the same file too.
+    """
+    on_every_rank(engine.comm, lambda: save_consolidated(
+        engine, Path(save_dir) / save_filename, dtype=engine.compute_dtype, exclude_frozen=exclude_frozen),
+        ExportError)
     return True
 
 
+def save_fp32_model(engine: "Engine", save_dir, save_filename: str = "pytorch_model_fp32.safetensors",
+                    exclude_frozen: bool = False) -> bool:
+    """The fp32 weights (trainable ones from the fp32 masters), whole, in one file (rank 0)."""
+    on_every_rank(engine.comm, lambda: save_consolidated(
+        engine, Path(save_dir) / save_filename, dtype=torch.float32, exclude_frozen=exclude_frozen,
+        use_master=True), ExportError)
+    return True
+
+
+# --------------------------------------------------------------- offline, from files
+EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def export_checkpoint(folder, out_path, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """Write a verified checkpoint's consolidated weights to `out_path` (safetensors).
+
+    One process, no torch.distributed: each parameter is read from the shard files of
+    every source rank (fp32 master where saved, else the compute values), cast to
+    `dtype` (floating parameters; buffers keep theirs) and streamed out. The checkpoint
+    is verified first (manifest, sizes, checksums); a damaged one raises CheckpointError
+    and nothing is written. Returns a summary: tensors, bytes, names.
+    """
+    from . import checkpoint as ckpt
+
+    folder = Path(folder)
+    manifest = ckpt.read_manifest(folder)
+    problems = ckpt.verify_files(folder, manifest)
+    if problems:
+        raise ckpt.CheckpointError(f"checkpoint {folder} failed verification; nothing exported:\n  "
+                                   + "\n  ".join(problems))
+    specs: list[tuple[TensorSpec, str, str]] = []
+    aliases_of: dict[str, list[str]] = {}
+    for alias, canonical in manifest.get("aliases", {}).items():
+        aliases_of.setdefault(canonical, []).append(alias)
+    for name, entry in manifest["params"].items():
+        own = getattr(torch, entry["dtype"])
+        out_dtype = dtype if own.is_floating_point else own
+        for out_name in [name, *aliases_of.get(name, [])]:
+            specs.append((TensorSpec(out_name, out_dtype, tuple(entry["shape"])), "param", name))
+    for name, entry in manifest.get("buffers", {}).items():
+        specs.append((TensorSpec(name, getattr(torch, entry["dtype"]), tuple(entry["shape"])), "buffer", name))
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    with ckpt.ShardReader(folder, manifest) as reader:
+        digest = write_safetensors(out_path, [s for s, _, _ in specs],
+                                   _offline_values(reader, manifest, specs), metadata={"format": "pt"})
+    return {"tensors": len(specs), "bytes": digest["size"], "sha256": digest["sha256"],
+            "names": [s.name for s, _, _ in specs]}
+
+
+def _offline_values(reader, manifest: dict[str, Any], specs) -> Iterator[torch.Tensor]:
+    last_name, last_value = None, None
+    for spec, kind, name in specs:
+        if kind == "buffer":
+            yield reader.read_whole(f"buffer/{name}").to(spec.dtype).view(spec.shape)
+            continue
+        if name != last_name:
+            entry = manifest["params"][name]
+            key = f"master/{name}" if entry.get("master") else f"param/{name}"
+            last_name = name
+            last_value = reader.read_range(key, entry["numel"], 0, entry["numel"]).view(spec.shape)
+        yield last_value.to(spec.dtype)
+
+
+# --------------------------------------------------------------------- held bytes
 def held_bytes(engine: "Engine") -> dict[str, int]:
     """Bytes this rank holds: parameter shards, resident full parameters, gradient
     shards, fp32 masters (when separate from the shards) and optimizer state."""

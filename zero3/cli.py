@@ -1,0 +1,190 @@
+"""The `zero3` command: inspect, verify and export checkpoints, offline, in one process.
+
+    zero3 checkpoint inspect DIR [--json]
+    zero3 checkpoint verify  DIR [--tag T | --all]
+    zero3 checkpoint export  DIR OUT.safetensors [--tag T] [--dtype fp32|bf16|fp16]
+
+DIR is a save_dir (holding tags and `latest`) or one tag folder. Without --tag, verify
+and export take the checkpoint a tag-less `engine.load_checkpoint(DIR)` would load.
+Nothing here starts torch.distributed; everything is read from the files.
+
+Exit status: 0 when all is well, 1 when a problem was found (each printed with the file
+it concerns), 2 for a usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from . import checkpoint as ckpt
+
+
+def _human(size: int) -> str:
+    value = float(size)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{size} B"
+
+
+def _is_tag_folder(path: Path) -> bool:
+    return ckpt.looks_like_checkpoint(path) and not (path / ckpt.LATEST).exists()
+
+
+def _target(directory: Path, tag: str | None) -> tuple[Path, list[str]]:
+    """The tag folder to act on, and problems met while choosing it (printed, exit 1)."""
+    if tag is not None:
+        folder = directory / tag
+        if not folder.is_dir():
+            raise ckpt.CheckpointError(f"{folder}: no such checkpoint tag")
+        return folder, []
+    if _is_tag_folder(directory):
+        return directory, []
+    resolved, warning = ckpt.resolve_tag(directory, None)
+    if resolved is None:
+        raise ckpt.CheckpointError(f"{directory}: no '{ckpt.LATEST}' file; pass --tag (or see `inspect`)")
+    return directory / resolved, [warning.removeprefix("zero3: ")] if warning else []
+
+
+# --------------------------------------------------------------------- inspect
+def _tag_row(info: ckpt.TagInfo) -> dict:
+    row = {"tag": info.tag, "complete": info.complete, "files": info.files, "size_bytes": info.size_bytes}
+    if info.manifest is not None:
+        m = info.manifest
+        row.update({
+            "global_steps": m["global_steps"], "micro_steps": m.get("micro_steps"),
+            "world_size": m["world_size"], "params": len(m["params"]),
+            "elements": sum(p["numel"] for p in m["params"].values()),
+            "compute_dtype": m.get("compute_dtype"), "zero3_version": m.get("zero3_version"),
+            "torch_version": m.get("torch_version"),
+            "saved": datetime.datetime.fromtimestamp(m["created_unix"]).isoformat(timespec="seconds"),
+        })
+    elif not (info.folder / ckpt.MANIFEST).exists():
+        partial = sorted(p.name for p in info.folder.iterdir() if p.name.endswith(".tmp"))
+        row["problem"] = f"no {ckpt.MANIFEST}: the save did not finish" + (
+            f"; half-written: {', '.join(partial)}" if partial else "")
+    else:
+        row["problem"] = info.problem
+    return row
+
+
+def inspect(directory: Path, as_json: bool) -> int:
+    if _is_tag_folder(directory):
+        infos, latest = [ckpt.tag_info(directory)], None
+    else:
+        infos, latest = ckpt.list_tags(directory), ckpt.read_latest(directory)
+    rows = [_tag_row(i) for i in infos]
+    if as_json:
+        print(json.dumps({"directory": str(directory), "latest": latest, "tags": rows}, indent=1))
+        return 0
+    print(f"checkpoint directory {directory}")
+    if not _is_tag_folder(directory):
+        named = next((r for r in rows if r["tag"] == latest), None)
+        note = "" if latest is None or (named and named["complete"]) else "  (NOT a complete checkpoint)"
+        print(f"latest: {latest if latest is not None else '(no latest file)'}{note}")
+    if not rows:
+        print("no checkpoint folders")
+        return 0
+    print(f"{'TAG':<24} {'COMPLETE':<9} {'STEP':>7} {'WORLD':>5} {'PARAMS':>7} {'FILES':>5} {'SIZE':>10}  SAVED")
+    for r in rows:
+        if r["complete"]:
+            print(f"{r['tag']:<24} {'yes':<9} {r['global_steps']:>7} {r['world_size']:>5} {r['params']:>7} "
+                  f"{r['files']:>5} {_human(r['size_bytes']):>10}  {r['saved']} ({r['compute_dtype']}, "
+                  f"zero3 {r['zero3_version']}, torch {r['torch_version']})")
+        else:
+            print(f"{r['tag']:<24} {'NO':<9} {'-':>7} {'-':>5} {'-':>7} {r['files']:>5} "
+                  f"{_human(r['size_bytes']):>10}  incomplete: {r['problem']}")
+    return 0
+
+
+# ---------------------------------------------------------------------- verify
+def verify(directory: Path, tag: str | None, every: bool) -> int:
+    problems: list[str] = []
+    if every:
+        folders = [directory] if _is_tag_folder(directory) else [i.folder for i in ckpt.list_tags(directory)]
+        if not folders:
+            problems.append(f"{directory}: no checkpoint folders")
+    else:
+        folder, problems = _target(directory, tag)
+        folders = [folder]
+    for problem in problems:
+        print(f"PROBLEM {problem}")
+    for folder in folders:
+        found = ckpt.verify_checkpoint(folder)
+        if found:
+            print(f"FAILED  {folder}")
+            for problem in found:
+                print(f"  {problem}")
+        else:
+            manifest = ckpt.read_manifest(folder)
+            print(f"OK      {folder} (global step {manifest['global_steps']}, world size {manifest['world_size']}, "
+                  f"{len(manifest['files'])} files: sizes and sha256 match the manifest)")
+        problems += found
+    if problems:
+        print(f"zero3: {len(problems)} problem(s) found", file=sys.stderr)
+        return 1
+    return 0
+
+
+# ---------------------------------------------------------------------- export
+def export(directory: Path, out: Path, tag: str | None, dtype_name: str) -> int:
+    from .export import EXPORT_DTYPES, export_checkpoint
+
+    folder, problems = _target(directory, tag)
+    for problem in problems:
+        print(f"warning: {problem}", file=sys.stderr)
+    summary = export_checkpoint(folder, out, EXPORT_DTYPES[dtype_name])
+    manifest = ckpt.read_manifest(folder)
+    note = ""
+    if manifest.get("exclude_frozen_parameters"):
+        note = " (frozen parameters were not saved: load with strict=False)"
+    print(f"wrote {out}: {summary['tensors']} tensors, {_human(summary['bytes'])}, {dtype_name}, from {folder}{note}")
+    return 0
+
+
+# ------------------------------------------------------------------------ main
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="zero3", description="zero3 tools")
+    commands = parser.add_subparsers(dest="command", required=True)
+    checkpoint = commands.add_parser("checkpoint", help="inspect, verify and export checkpoints")
+    actions = checkpoint.add_subparsers(dest="action", required=True)
+    p = actions.add_parser("inspect", help="list tags: steps, world size, sizes, complete or not")
+    p.add_argument("dir", type=Path)
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p = actions.add_parser("verify", help="check manifest, sizes and sha256 of every file")
+    p.add_argument("dir", type=Path)
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--tag", help="the tag to verify (default: what a tag-less load would pick)")
+    group.add_argument("--all", action="store_true", help="verify every tag folder")
+    p = actions.add_parser("export", help="write the consolidated weights as one safetensors file")
+    p.add_argument("dir", type=Path)
+    p.add_argument("out", type=Path)
+    p.add_argument("--tag", help="the tag to export (default: what a tag-less load would pick)")
+    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if not args.dir.exists():
+        print(f"zero3: {args.dir}: no such directory", file=sys.stderr)
+        return 1
+    try:
+        if args.action == "inspect":
+            return inspect(args.dir, args.json)
+        if args.action == "verify":
+            return verify(args.dir, args.tag, args.all)
+        return export(args.dir, args.out, args.tag, args.dtype)
+    except ckpt.CheckpointError as exc:
+        print(f"zero3: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
