@@ -1,0 +1,155 @@
+"""Hugging Face transformers + PEFT LoRA under zero3 (the `hf` extra: transformers 5.19.0,
+peft 0.21.2): train with GA, CPU param offload and HF gradient checkpointing on 2 ranks,
+save, resume exactly, export the adapter in PEFT's format and the merged model as
+safetensors; and `generate()` on 2 ranks whose prompts stop at different steps.
+
+The flow is the one of examples/peft_lora.py, imported from there.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers", reason="the hf extra is not installed: pip install zero3[hf]")
+pytest.importorskip("peft", reason="the hf extra is not installed: pip install zero3[hf]")
+
+os.environ["HF_HUB_OFFLINE"] = "1"  # models are built from a config: never reach the hub
+EXAMPLES = str(Path(__file__).resolve().parent.parent / "examples")
+if EXAMPLES not in sys.path:
+    sys.path.insert(0, EXAMPLES)
+
+import torch  # noqa: E402
+
+import peft_lora as P  # noqa: E402
+from harness import run_ranks  # noqa: E402
+
+ENV = {"HF_HUB_OFFLINE": "1", "PYTHONPATH": EXAMPLES + os.pathsep + os.environ.get("PYTHONPATH", "")}
+LORA_A_NUMEL = P.RANK * P.HIDDEN  # q_proj / v_proj lora_A: (r, hidden)
+
+
+def lora_flow(rank: int, world: int, reentrant: bool, threshold: int, folder: str):
+    if EXAMPLES not in sys.path:
+        sys.path.insert(0, EXAMPLES)
+    import peft_lora as P
+
+    folder = Path(folder)
+    engine = P.build_engine(reentrant, threshold)
+    persistent_a = {sp.name: sp.persistent for sp in engine.table.values() if ".lora_A." in sp.name}
+    first = P.train(engine, 0, P.STEPS)
+    engine.save_checkpoint(folder / "ckpt")
+    engine.destroy()
+
+    engine = P.build_engine(reentrant, threshold)  # a fresh engine and model, loaded from disk
+    engine.load_checkpoint(folder / "ckpt")
+    resumed = P.train(engine, P.STEPS, P.STEPS)
+    logits = P.engine_logits(engine)
+    paths = P.export(engine, folder)
+    late = engine.late_gathers
+    engine.destroy()
+
+    engine = P.build_engine(reentrant, threshold)
+    straight = P.train(engine, 0, 2 * P.STEPS)
+    engine.destroy()
+    return {"persistent_a": persistent_a, "first": first, "resumed": resumed, "straight": straight,
+            "logits": logits, "paths": paths, "late": late}
+
+
+@pytest.mark.parametrize("reentrant,threshold,a_persistent", [
+    (False, LORA_A_NUMEL, True),   # LoRA A under the threshold: resident
+    (True, LORA_A_NUMEL - 1, False),  # LoRA A over it: sharded, gathered on use
+    (True, LORA_A_NUMEL, True),
+], ids=["nonreentrant-A-resident", "reentrant-A-sharded", "reentrant-A-resident"])
+def test_lora_train_resume_export(tmp_path, reentrant, threshold, a_persistent):
+    results = run_ranks(lora_flow, 2, reentrant, threshold, str(tmp_path), timeout=400, env=ENV)
+    for r in results:
+        assert r["persistent_a"] and all(v == a_persistent for v in r["persistent_a"].values()), r["persistent_a"]
+        # resume is exact: the resumed run is bit-identical to the uninterrupted one
+        assert {**r["first"], **r["resumed"]} == r["straight"]
+        assert r["late"] == 0
+    # both ranks computed the same logits for the trained model
+    torch.testing.assert_close(results[0]["logits"], results[1]["logits"], rtol=0, atol=0)
+
+    # losses match the same run without zero3, in one process, on the same global batches
+    reference = P.reference_losses(reentrant, 2 * P.STEPS, 2)
+    losses = {**results[0]["straight"], **results[1]["straight"]}
+    assert set(losses) == set(reference)
+    for key, value in reference.items():
+        assert math.isclose(losses[key], value, rel_tol=1e-4), (key, losses[key], value)
+    assert losses[(2 * P.STEPS - 1, P.GA - 1, 0)] < losses[(0, P.GA - 1, 0)]  # it learned
+
+    # the exported adapter, loaded by PEFT into a fresh base, gives the trained model's outputs
+    paths = results[0]["paths"]
+    assert (Path(paths["adapter"]) / "adapter_config.json").exists()
+    assert (Path(paths["adapter"]) / "adapter_model.safetensors").exists()
+    trained = results[0]["logits"]
+    torch.testing.assert_close(P.load_adapter_logits(paths["adapter"]), trained, rtol=0, atol=1e-5)
+    # and the merged full model as safetensors, loaded by LlamaForCausalLM
+    assert list(Path(paths["full"]).glob("*.safetensors"))
+    torch.testing.assert_close(P.load_full_logits(paths["full"]), trained, rtol=0, atol=1e-5)
+
+
+MAX_NEW = 8
+
+
+def prompts(seed: int) -> list[torch.Tensor]:
+    """Rank 0 gets a short prompt, rank 1 a longer one."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, P.VOCAB, (1, n), generator=g) for n in (4, 9)]
+
+
+def greedy(model, prompt: torch.Tensor, eos, **kwargs) -> torch.Tensor:
+    return model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=MAX_NEW,
+                          do_sample=False, pad_token_id=P.PAD, eos_token_id=eos, use_cache=True, **kwargs)
+
+
+def pick_eos(model):
+    """Prompts and an end-of-sequence token such that rank 0's greedy continuation stops
+    after 2 new tokens and rank 1's runs on (at least 5 tokens): the ranks finish at
+    different steps."""
+    model.generation_config.eos_token_id = None
+    for seed in range(50):
+        ps = prompts(seed)
+        with torch.no_grad():
+            conts = [greedy(model, p, None)[0, p.shape[1]:].tolist() for p in ps]
+        eos = conts[0][1]
+        if eos not in conts[0][:1] and eos not in conts[1][:5]:
+            return ps, eos
+    raise AssertionError("no prompt found whose continuations stop at different steps")
+
+
+def generate_on_ranks(rank: int, world: int):
+    if EXAMPLES not in sys.path:
+        sys.path.insert(0, EXAMPLES)
+    import peft_lora as P
+    import zero3
+
+    model = P.build_base().eval()
+    unsharded = copy.deepcopy(model)
+    ps, eos = pick_eos(unsharded)
+    prompt = ps[rank]
+    with torch.no_grad():
+        expected = greedy(unsharded, prompt, eos)
+    config = {"train_micro_batch_size_per_gpu": 1,
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                    "offload_param": {"device": "cpu"}}}
+    engine, _, _, _ = zero3.initialize(model=model, config=config)
+    engine.eval()
+    with torch.no_grad():
+        got = greedy(engine.module, prompt, eos, synced_gpus=True)
+    engine.destroy()
+    return {"expected": expected, "got": got, "eos": eos, "prompt_len": prompt.shape[1]}
+
+
+def test_generate_ranks_stop_at_different_steps():
+    results = run_ranks(generate_on_ranks, 2, timeout=300, env=ENV, collective_timeout=60)
+    new = [r["got"].shape[1] - r["prompt_len"] for r in results]
+    assert new[0] == 2 and new[1] > 2, new  # rank 0 hit eos at step 2, rank 1 ran on
+    assert results[0]["got"][0, -1].item() == results[0]["eos"]
+    for r in results:
+        assert torch.equal(r["got"], r["expected"]), (r["got"], r["expected"])
