@@ -14,13 +14,15 @@ from .checkpoint import CheckpointError
 from .config import ConfigError
 from .engine import Engine, EngineError
 from .gathered import GatheredParameters, register_external_parameter
-from .units import set_z3_leaf_modules
+from .divergence import DivergenceError
+from .units import set_z3_leaf_modules, set_z3_leaf_modules_by_name, set_z3_leaf_modules_by_suffix, unset_z3_leaf_modules
 from .zero import Init
 
 DeepSpeedEngine = Engine
 
 __all__ = [
-    "CheckpointError", "ConfigError", "DeepSpeedEngine", "Engine", "EngineError",
+    "CheckpointError", "ConfigError", "DivergenceError", "DeepSpeedEngine", "Engine", "EngineError",
     "GatheredParameters", "Init", "init_distributed", "initialize",
-    "register_external_parameter", "set_z3_leaf_modules", "zero",
+    "register_external_parameter", "set_z3_leaf_modules", "set_z3_leaf_modules_by_name",
+    "set_z3_leaf_modules_by_suffix", "unset_z3_leaf_modules", "zero",
 ]

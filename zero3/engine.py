@@ -76,7 +76,8 @@ class Engine:
         self.named_params = list(self.module.named_parameters())
         self.table = self._shard_parameters()
         self.param_names = {sp.param: sp.name for sp in self.table.values()}
-        self.units = build_units(self.module, self.table, config.zero.module_granularity_threshold)
+        self.units = build_units(self.module, self.table, config.zero.module_granularity_threshold,
+                                 leaf_module=config.zero.leaf_module)
         reduce_dtype = config.precision.reduce_dtype
         self.master_device = (
             torch.device("cpu") if config.zero.offload_optimizer.device == "cpu" else self.device
@@ -90,8 +91,12 @@ class Engine:
             prescale=config.prescale_gradients,
             predivide_factor=config.gradient_predivide_factor,
         )
+        for unit in self.units:
+            if unit.leaf:
+                self.reducer.defer(unit.params)
         self.fetcher = Fetcher(
-            self.module, self.table, self.units, self.comm, self.device, self.reducer.flush
+            self.module, self.table, self.units, self.comm, self.device, self.reducer.flush,
+            on_leaf_backward=self.reducer.reduce_deferred,
         )
         client_optimizer = self._resolve_optimizer(optimizer, model_parameters)
         self.optimizer = (
@@ -321,6 +326,7 @@ class Engine:
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop accumulated gradients (the optimizer step does this by itself)."""
         self.reducer.pending.clear()
+        self.reducer.deferred.clear()
         self.reducer.pending_numel = 0
         for sp in self.table.values():
             sp.grad_shard = None

@@ -2,17 +2,22 @@
 
 `GatheredParameters(params, modifier_rank=None)` is a collective: every rank enters it
 with the same parameters. Inside, each parameter is FULL on every rank. On exit:
-- `modifier_rank=r`: rank r's full values are broadcast and become everyone's shards
-  (compute shard and fp32 master), so a modification made on rank r takes effect;
-- `modifier_rank=None`: the values must be unchanged; a change made on any rank raises
-  on every rank, because it would otherwise be silently lost.
+- `modifier_rank=r`: rank r's full values are broadcast and become everyone's values,
+  shards and fp32 masters, so a modification made on rank r takes effect everywhere and
+  in the training that follows;
+- `modifier_rank=None`: the values must be unchanged; a change made on any rank, to any
+  element, is undone and raises on every rank, because it would otherwise be silently
+  lost (or, for a resident parameter, kept on one rank only).
 Parameters not managed by an engine pass through untouched.
+
+Memory: with `modifier_rank=None` a copy of the gathered values is kept (on their
+device) for the duration of the context, so that a change is detected exactly, bit for
+bit; it is freed on exit.
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import torch
@@ -69,7 +74,7 @@ class GatheredParameters:
         self.modifier_rank = modifier_rank
         self.enabled = enabled
         self._groups: list[tuple["Engine", list[ShardedParam]]] = []
-        self._snapshots: list[torch.Tensor] = []
+        self._snapshots: dict[int, torch.Tensor] = {}  # id(sp) -> full values on entry
 
     def __enter__(self) -> "GatheredParameters":
         if not self.enabled:
@@ -78,7 +83,9 @@ class GatheredParameters:
         for p in self.params:
             engine = engine_of(p)
             if engine is not None:
-                by_engine.setdefault(id(engine), (engine, []))[1].append(engine.table[p])
+                sps = by_engine.setdefault(id(engine), (engine, []))[1]
+                if all(engine.table[p] is not sp for sp in sps):
+                    sps.append(engine.table[p])
         self._groups = list(by_engine.values())
         for engine, sps in self._groups:
             if self.modifier_rank is not None and not 0 <= self.modifier_rank < engine.comm.world_size:
@@ -88,35 +95,46 @@ class GatheredParameters:
                 )
             engine.fetcher.acquire(sps)
             if self.modifier_rank is None:
-                self._snapshots.extend(_local_slice(sp).clone() for sp in sps)
+                self._snapshots.update((id(sp), sp.param.detach().clone()) for sp in sps)
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        """Collective on every path (an exception inside the context included)."""
         if not self.enabled:
             return
-        snapshots = iter(self._snapshots)
-        for engine, sps in self._groups:
-            if self.modifier_rank is not None:
-                _adopt_values_of(engine, sps, self.modifier_rank)
-                engine.fetcher.drop(sps)
-                continue
-            changed = [sp.name for sp in sps if not torch.equal(_local_slice(sp), next(snapshots))]
-            unchanged_everywhere = engine.comm.all_agree(not changed)
-            engine.fetcher.drop(sps)
-            if not unchanged_everywhere and exc_type is None:
-                where = ", ".join(changed) if changed else "(changed on another rank)"
-                raise GatheredParametersError(
-                    f"parameters were modified inside GatheredParameters(modifier_rank=None): "
-                    f"{where}; the change would be lost. Pass modifier_rank=<the rank whose "
-                    "values should be kept> (e.g. 0) to keep it"
-                )
-        self._snapshots.clear()
-        self._groups = []
+        try:
+            for engine, sps in self._groups:
+                engine.fetcher.guard.flush()
+                if self.modifier_rank is not None:
+                    _adopt_values_of(engine, sps, self.modifier_rank)
+                    engine.fetcher.drop(sps)
+                else:
+                    self._refuse_changes(engine, sps, raise_error=exc_type is None)
+        finally:
+            self._snapshots.clear()
+            self._groups = []
+
+    def _refuse_changes(self, engine: "Engine", sps: list[ShardedParam], raise_error: bool) -> None:
+        changed = [sp for sp in sps if not _same_bits(sp.param.detach(), self._snapshots[id(sp)])]
+        changed_by_rank = engine.comm.gather_objects([sp.name for sp in changed])
+        with torch.no_grad():
+            for sp in changed:  # undo (through .data: no autograd version bump)
+                sp.param.data.copy_(self._snapshots[id(sp)])
+        engine.fetcher.drop(sps)
+        if any(changed_by_rank) and raise_error:
+            where = "; ".join(f"rank {r}: {', '.join(names)}" for r, names in enumerate(changed_by_rank) if names)
+            raise GatheredParametersError(
+                f"parameters were modified inside GatheredParameters(modifier_rank=None) ({where}); "
+                "the change was undone, since it would be lost on release. Pass modifier_rank=<the "
+                "rank whose values should be kept> (e.g. 0) to keep it"
+            )
 
 
-def _local_slice(sp: ShardedParam) -> torch.Tensor:
-    start, end = sp.range_of(sp.rank)
-    return sp.param.detach().reshape(-1)[start:end]
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (so a NaN that stays a NaN is no change)."""
+    if a.numel() == 0:
+        return True
+    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
 
 
 def _adopt_values_of(engine: "Engine", sps: list[ShardedParam], src: int) -> None:

@@ -43,6 +43,8 @@ class GradReducer:
         self.reduce_dtype = reduce_dtype
         self.grad_device = grad_device
         self.pending: list[tuple[ShardedParam, torch.Tensor]] = []
+        self.deferred_ids: set[int] = set()
+        self.deferred: dict[int, torch.Tensor] = {}
         self.pending_numel = 0
         self.table = {sp.param: sp for sp in params}
         self._handles = [
@@ -78,11 +80,38 @@ class GradReducer:
             handle.remove()
         self._handles.clear()
 
+    def defer(self, params: list[ShardedParam]) -> None:
+        """Gradients of these parameters (a leaf unit's) wait for `reduce_deferred`.
+
+        Inside a leaf, which parameters get gradients, and in which order, may differ
+        between ranks (MoE routing); reducing them as they arrive would pair different
+        parameters in one collective. They are held (summed) until the leaf's backward is
+        done, then reduced together in their fixed order.
+        """
+        self.deferred_ids.update(id(sp) for sp in params)
+
+    def reduce_deferred(self, params: list[ShardedParam]) -> None:
+        """Reduce a leaf's gradients in the leaf's parameter order, with zeros for the
+        parameters this rank did not use, so every rank issues the same collectives."""
+        for sp in params:
+            if not sp.requires_grad or id(sp) not in self.deferred_ids:
+                continue
+            grad = self.deferred.pop(id(sp), None)
+            if grad is None:
+                grad = torch.zeros(sp.shape, dtype=sp.dtype, device=sp.param.device)
+            self.pending.append((sp, grad))
+            self.pending_numel += sp.padded_numel
+        self.flush()
+
     def _on_grad_accumulated(self, param: torch.nn.Parameter) -> None:
         sp = self.table[param]
         grad = param.grad
         param.grad = None
         if grad is None:
+            return
+        if id(sp) in self.deferred_ids:
+            held = self.deferred.get(id(sp))
+            self.deferred[id(sp)] = grad if held is None else held + grad
             return
         self.pending.append((sp, grad))
         self.pending_numel += sp.padded_numel
@@ -91,6 +120,10 @@ class GradReducer:
 
     def flush(self) -> None:
         """Reduce-scatter the pending bucket, one collective per gradient dtype."""
+        if self.deferred:  # leaf gradients whose reduce point never came: in their fixed order
+            leftovers = [sp for sp in self.table.values() if id(sp) in self.deferred]
+            self.reduce_deferred(leftovers)
+            return
         if not self.pending:
             return
         pending, self.pending, self.pending_numel = self.pending, [], 0
