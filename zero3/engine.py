@@ -28,7 +28,7 @@ from .fetch import Fetcher
 from .gathered import register_engine, unregister_engine
 from .optim import ShardedOptimizer
 from .optimizers import build_optimizer, build_scheduler
-from .partition import ParamState, ShardedParam
+from .partition import ShardedParam
 from .precision import LossScaler
 from .timers import StepTimers
 from .reduce import GradReducer
@@ -325,9 +325,7 @@ class Engine:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop accumulated gradients (the optimizer step does this by itself)."""
-        self.reducer.pending.clear()
-        self.reducer.deferred.clear()
-        self.reducer.pending_numel = 0
+        self.reducer.clear()
         for sp in self.table.values():
             sp.grad_shard = None
             sp.param.grad = None
@@ -415,13 +413,6 @@ class Engine:
     def _check_alive(self) -> None:
         if self._destroyed:
             raise EngineError("this engine was destroyed; build a new one with zero3.initialize")
-
-    def named_sharded_params(self) -> list[tuple[str, ShardedParam]]:
-        return [(sp.name, sp) for sp in self.table.values()]
-
-    def is_resident(self, param: nn.Parameter) -> bool:
-        sp = self.table[param]
-        return sp.state is ParamState.FULL
 
 
 def _give_exclusive_storage(p: nn.Parameter) -> None:

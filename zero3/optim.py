@@ -83,6 +83,7 @@ class ShardedOptimizer:
                 self.masters.append(master)
                 masters.append(master)
             group["params"] = masters
+        self._master_by_param = {id(sp): m for sp, m in zip(self.params, self.masters)}
         self._prefer_fused_kernels()
 
     def _prefer_fused_kernels(self) -> None:
@@ -145,10 +146,8 @@ class ShardedOptimizer:
             master.grad = None
 
     def master_of(self, sp: ShardedParam) -> torch.Tensor | None:
-        for candidate, master in zip(self.params, self.masters):
-            if candidate is sp:
-                return master
-        return None
+        """The fp32 master of `sp`, or None for a parameter the optimizer does not step."""
+        return self._master_by_param.get(id(sp))
 
 
 def dist_backend_is_nccl() -> bool:

@@ -80,6 +80,12 @@ class GradReducer:
             handle.remove()
         self._handles.clear()
 
+    def clear(self) -> None:
+        """Forget every gradient not yet reduced (engine.zero_grad)."""
+        self.pending.clear()
+        self.pending_numel = 0
+        self.deferred.clear()
+
     def defer(self, params: list[ShardedParam]) -> None:
         """Gradients of these parameters (a leaf unit's) wait for `reduce_deferred`.
 
