@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
+import time
 from typing import Any
 
 import torch
@@ -39,6 +41,33 @@ def init_distributed(dist_backend: str | None = None, timeout: datetime.timedelt
     if world_size > 0:
         kwargs["world_size"] = world_size
     dist.init_process_group(**kwargs)
+    register_exit_teardown()
+
+
+def _destroy_process_group_at_exit() -> None:
+    """Tear the process group down, and let gloo's worker threads finish, before finalization.
+
+    A gloo worker thread drops its reference to a finished collective only once it gets the
+    GIL; if the interpreter starts finalizing first, that thread is killed while it holds a
+    tensor and the process aborts ("terminate called without an active exception") after
+    the script has finished. Destroying the group and then waiting a moment with the GIL
+    released lets the workers drop those references while Python is still alive.
+    """
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    time.sleep(_EXIT_GRACE_SECONDS)
+
+
+_EXIT_GRACE_SECONDS = 0.05
+_exit_teardown_registered = False
+
+
+def register_exit_teardown() -> None:
+    """Register `_destroy_process_group_at_exit` once per process."""
+    global _exit_teardown_registered
+    if not _exit_teardown_registered:
+        atexit.register(_destroy_process_group_at_exit)
+        _exit_teardown_registered = True
 
 
 def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer: Any = None,
@@ -57,6 +86,8 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
         raise ValueError("zero3.initialize needs config= (a DeepSpeed config dict or a path to its JSON)")
     if not dist.is_initialized() and dist_init_required is not False:
         init_distributed()
+    if dist.is_initialized():
+        register_exit_teardown()
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     parsed = from_deepspeed(config, world_size=world_size)
     engine = Engine(model, parsed, optimizer=optimizer, model_parameters=model_parameters,
