@@ -5,11 +5,19 @@ whole truth about what a step moved. Bytes are counted as the size of the local 
 of each call (for an all-gather, the shard this rank contributes; for a reduce-scatter,
 the full buffer this rank reduces). With world size 1 no collective is issued and
 nothing is counted: the data is copied locally.
+
+Asynchronous collectives (`*_async`) return at once; their completion callback runs when
+they are drained. Invariant: at most the outstanding asynchronous collectives run ahead
+of the host, and every collective call (synchronous or not) first drains them, in issue
+order. So each rank's collectives complete, and their callbacks (a gather's header check,
+a gradient bucket's accumulation) run, in the same order on every rank, and a rank that
+finds its peers diverged raises before it issues anything else.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import defaultdict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -38,6 +46,16 @@ class CommCounters:
         return {op: (self.calls[op], self.bytes[op]) for op in sorted(self.calls)}
 
 
+@dataclass(eq=False)
+class Pending:
+    """An issued asynchronous collective: its work handle and what to do once it is done."""
+
+    work: object | None
+    on_done: Callable[[], None]
+    guarded: bool
+    done: bool = False
+
+
 class Communicator:
     """The process group the engine shards over, and the collectives on it."""
 
@@ -47,14 +65,80 @@ class Communicator:
         self.world_size = dist.get_world_size(group) if self.distributed else 1
         self.rank = dist.get_rank(group) if self.distributed else 0
         self.counters = CommCounters()
+        self._outstanding: deque[Pending] = deque()
+        self.on_cuda = self.distributed and dist.get_backend(group) == "nccl"
 
     @property
     def active(self) -> bool:
         """True when collectives are really issued (world size above 1)."""
         return self.distributed and self.world_size > 1
 
+    # ------------------------------------------------------------ asynchronous
+    def drain(self) -> None:
+        """Wait for every outstanding asynchronous collective and run its callback, in order.
+
+        On CUDA, `wait()` makes the current stream wait for the collective's stream (the
+        host does not block); with gloo the host waits.
+        """
+        while self._outstanding:
+            self._complete_first()
+
+    def complete(self, handle: Pending) -> None:
+        """Complete `handle` (and, to keep the order, every collective issued before it)."""
+        while not handle.done and self._outstanding:
+            self._complete_first()
+
+    def _complete_first(self) -> None:
+        pending = self._outstanding.popleft()
+        if pending.work is not None:
+            pending.work.wait()
+        pending.done = True
+        pending.on_done()
+
+    @property
+    def outstanding(self) -> int:
+        return len(self._outstanding)
+
+    def _before_async(self) -> None:
+        """On CPU, gathers are completed (their headers checked) before anything else is
+        issued; on CUDA the process group's stream orders the collectives itself."""
+        if self._outstanding and not self.on_cuda:
+            guarded = [p for p in self._outstanding if p.guarded]
+            if guarded:
+                self.complete(guarded[-1])
+
+    def all_gather_into_async(self, output: torch.Tensor, shard: torch.Tensor,
+                              on_done: Callable[[], None]) -> Pending:
+        """`all_gather_into`, returning before it completes; `on_done()` runs at completion.
+
+        A gather carries a header checked in `on_done` (guarded)."""
+        self._before_async()
+        if not self.active:
+            output.copy_(shard)
+            return self._enqueue(Pending(None, on_done, guarded=True))
+        self.counters.record("all_gather", shard)
+        work = _all_gather_single(output, shard, group=self.group, async_op=True)
+        return self._enqueue(Pending(work, on_done, guarded=True))
+
+    def reduce_scatter_sum_async(self, output: torch.Tensor, full: torch.Tensor,
+                                 on_done: Callable[[], None]) -> Pending:
+        """`reduce_scatter_sum`, returning before it completes; `on_done()` runs at completion."""
+        self._before_async()
+        if not self.active:
+            output.copy_(full)
+            return self._enqueue(Pending(None, on_done, guarded=False))
+        self.counters.record("reduce_scatter", full)
+        work = _reduce_scatter_single(output, full, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        return self._enqueue(Pending(work, on_done, guarded=False))
+
+    def _enqueue(self, pending: Pending) -> Pending:
+        self._outstanding.append(pending)
+        return pending
+
+    # ------------------------------------------------------------- synchronous
     def all_gather_into(self, output: torch.Tensor, shard: torch.Tensor) -> None:
         """output[r * n:(r + 1) * n] = shard of rank r, n = shard.numel()."""
+        self.drain()
         if not self.active:
             output.copy_(shard)
             return
@@ -63,6 +147,7 @@ class Communicator:
 
     def reduce_scatter_sum(self, output: torch.Tensor, full: torch.Tensor) -> None:
         """output = sum over ranks of full[rank * n:(rank + 1) * n], n = output.numel()."""
+        self.drain()
         if not self.active:
             output.copy_(full)
             return
@@ -70,18 +155,21 @@ class Communicator:
         _reduce_scatter_single(output, full, op=dist.ReduceOp.SUM, group=self.group)
 
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> None:
+        self.drain()
         if not self.active:
             return
         self.counters.record("all_reduce", tensor)
         dist.all_reduce(tensor, op=op, group=self.group)
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
+        self.drain()
         if not self.active:
             return
         self.counters.record("broadcast", tensor)
         dist.broadcast(tensor, src=src, group=self.group)
 
     def barrier(self) -> None:
+        self.drain()
         if self.active:
             dist.barrier(group=self.group)
 
@@ -93,6 +181,7 @@ class Communicator:
 
     def gather_objects(self, obj: object) -> list[object]:
         """`obj` of every rank, in rank order, on every rank (small metadata only)."""
+        self.drain()
         if not self.active:
             return [obj]
         out: list[object] = [None] * self.world_size

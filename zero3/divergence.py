@@ -77,6 +77,7 @@ class Phase(enum.IntEnum):
     SAFETY_NET = 4  # backward unpacked a saved parameter that was released
     CHECK = 5  # a header-only check (a step whose forward gathered nothing)
     OTHER = 6  # GatheredParameters, destroy, ...
+    PREFETCH = 7  # gathered ahead of use, from the last step's order (schedule.py)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -32,6 +32,7 @@ from .partition import ShardedParam
 from .precision import LossScaler
 from .timers import StepTimers
 from .reduce import GradReducer
+from .schedule import PrefetchPolicy
 from .units import build_units, choose_persistent
 
 logger = logging.getLogger("zero3")
@@ -97,6 +98,11 @@ class Engine:
         self.fetcher = Fetcher(
             self.module, self.table, self.units, self.comm, self.device, self.reducer.flush,
             on_leaf_backward=self.reducer.reduce_deferred,
+            policy=PrefetchPolicy(
+                bucket_numel=config.zero.prefetch_bucket_size,
+                max_live_numel=config.zero.max_live_parameters,
+                reuse_distance_numel=config.zero.max_reuse_distance,
+            ),
         )
         client_optimizer = self._resolve_optimizer(optimizer, model_parameters)
         self.optimizer = (

@@ -56,9 +56,12 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from .comm import Communicator
+from .comm import Communicator, Pending
 from .divergence import HEADER_BYTES, HEADER_WORDS, GatherGuard, Names, Phase, Site
 from .partition import ParamState, ShardedParam
+from .schedule import PrefetchPolicy, Schedule
+
+LOOKAHEAD_ENTRIES = 256  # how far prefetch and reuse look into the plan (unit entries)
 
 
 class UnmanagedParameterError(RuntimeError):
@@ -128,6 +131,7 @@ class FetchUnit:
     def __post_init__(self) -> None:
         self._owned_ids = {id(sp) for sp in self.params}
         self._fetch: list[ShardedParam] | None = None
+        self._fetch_numel = 0
 
     def owns(self, sp: ShardedParam) -> bool:
         return id(sp) in self._owned_ids
@@ -147,7 +151,13 @@ class FetchUnit:
         """The non-persistent parameters to gather for this unit (cached)."""
         if self._fetch is None:
             self._fetch = [sp for sp in self.gather_set() if not sp.persistent]
+            self._fetch_numel = sum(sp.numel for sp in self._fetch)
         return self._fetch
+
+    def fetch_numel(self) -> int:
+        """Elements of `fetch_list()`."""
+        self.fetch_list()
+        return self._fetch_numel
 
 
 @dataclasses.dataclass(eq=False)
@@ -227,6 +237,7 @@ class Fetcher:
         compute_device: torch.device,
         on_backward_end: Callable[[], None],
         on_leaf_backward: Callable[[list[ShardedParam]], None] | None = None,
+        policy: PrefetchPolicy = PrefetchPolicy(),
     ) -> None:
         self.root = root
         self.table = table
@@ -251,6 +262,17 @@ class Fetcher:
         self._handles: list[Any] = []
         self._wrapped: dict[int, nn.Module] = {}
         self._structure_changed = False
+        self.policy = policy
+        self.schedule = Schedule()
+        self.live_numel = 0  # elements of non-persistent parameters FULL or GATHERING
+        # one hold each, taken by a prefetch (True) or kept for reuse (False)
+        self._spare: dict[int, tuple[ShardedParam, bool]] = {}
+        self._inflight: dict[int, Pending] = {}  # id(sp) -> the prefetch gathering it
+        self._ahead_numel = 0  # elements prefetched and not yet used
+        self.prefetched_units = 0
+        self.reused_units = 0
+        self._side_stream = torch.cuda.Stream(compute_device) if compute_device.type == "cuda" else None
+        self._shards_ready: torch.cuda.Event | None = None
         self._root_unit = next(u for u in units if u.module is root)
         names = Names(root, [u.name for u in units], [sp.name for sp in table.values()])
         self.guard = GatherGuard(names, comm.gather_objects, comm.rank, comm.world_size)
@@ -293,7 +315,15 @@ class Fetcher:
     # ------------------------------------------------------- gather / release
     def gather(self, params: Iterable[ShardedParam], phase: Phase = Phase.OTHER,
                unit: FetchUnit | None = None) -> None:
-        """Make every given parameter FULL: one coalesced all-gather per dtype."""
+        """Make every given parameter FULL: one coalesced all-gather per dtype.
+
+        Parameters a prefetch is gathering are completed, not gathered again."""
+        params = list(params)
+        if self._inflight:
+            for sp in params:
+                pending = self._inflight.get(id(sp))
+                if pending is not None:
+                    self.comm.complete(pending)
         for dtype, group in self._dtype_groups(sp for sp in params if sp.state is ParamState.SHARDED):
             self._gather_group(group, dtype, phase, unit)
 
@@ -319,6 +349,7 @@ class Fetcher:
             values = self._all_gather(self._concat(group, dtype, 0), world).view(dtype).view(world, -1)
         else:
             values = self._guarded_all_gather(site, group, dtype)
+        self.live_numel += sum(sp.numel for sp in group)
         offset = 0
         for sp in group:
             sp.begin_gather()
@@ -407,6 +438,13 @@ class Fetcher:
         self.gather(params, phase, unit)
         for sp in params:
             sp.holds += 1
+        if self._spare:  # a prefetch or reuse hold is handed over to this holder
+            for sp in params:
+                spare = self._spare.pop(id(sp), None)
+                if spare is not None:
+                    sp.holds -= 1
+                    if spare[1]:
+                        self._ahead_numel -= sp.numel
 
     def drop(self, params: list[ShardedParam]) -> None:
         for sp in params:
@@ -415,9 +453,15 @@ class Fetcher:
                 sp.holds = 0
                 if not sp.persistent and sp.state is ParamState.FULL:
                     sp.release()
+                    self.live_numel -= sp.numel
 
     def release_all(self) -> None:
         """Drop every hold and release every non-persistent parameter (engine teardown)."""
+        self.comm.drain()
+        self._spare.clear()
+        self._inflight.clear()
+        self._ahead_numel = 0
+        self.live_numel = 0
         for sp in self.table.values():
             sp.holds = 0
             if not sp.persistent and sp.state is ParamState.FULL:
@@ -436,6 +480,7 @@ class Fetcher:
 
         Holds taken by others (GatheredParameters) are left alone.
         """
+        self._drop_spare()
         for call in self.stack:
             self.drop(call.holds)
         self.stack.clear()
@@ -457,6 +502,143 @@ class Fetcher:
                 holds, u.recompute_holds = u.recompute_holds, []
                 self.drop(holds)
             self._recomputed.pop(id(u), None)
+
+    # ------------------------------------------------------------- look-ahead
+    def _prefetch_ahead(self) -> None:
+        """Start gathering the next planned units (schedule.py): up to the policy's bucket
+        of elements ahead of use, within its bound on live elements, one asynchronous
+        all-gather per unit and dtype. Each prefetched parameter takes a spare hold, handed
+        over when its unit is entered (or dropped at the end of the step)."""
+        policy = self.policy
+        if not policy.prefetches or not self.comm.active or not self.schedule.on_plan:
+            return
+        ahead = self._ahead_numel
+        picked = 0
+        chosen: list[tuple[FetchUnit, list[ShardedParam]]] = []
+        seen: set[int] = set()
+        for _, index in self.schedule.upcoming(LOOKAHEAD_ENTRIES):
+            if ahead >= policy.bucket_numel:
+                break
+            unit = self.units[index]
+            fresh = [sp for sp in unit.fetch_list() if sp.state is ParamState.SHARDED and id(sp) not in seen]
+            if not fresh:
+                continue
+            numel = sum(sp.numel for sp in fresh)
+            if chosen and ahead + numel > policy.bucket_numel:
+                break
+            if self.live_numel + picked + numel > policy.max_live_numel:
+                break
+            seen.update(id(sp) for sp in fresh)
+            chosen.append((unit, fresh))
+            ahead += numel
+            picked += numel
+        for unit, fresh in chosen:
+            for dtype, group in self._dtype_groups(fresh):
+                self._issue_prefetch(unit, group, dtype)
+            self.prefetched_units += 1
+
+    def _issue_prefetch(self, unit: FetchUnit, group: list[ShardedParam], dtype: torch.dtype) -> None:
+        """One asynchronous, guarded all-gather of `group`; finished by `_finish_prefetch`.
+
+        A correctly predicted site sends its header with the payload (checked when the
+        gather completes); otherwise the headers are agreed first, synchronously, and the
+        payload follows alone. On CUDA the send buffer is built, and the collective issued,
+        on a side stream, so neither waits for the compute queued on the current stream.
+        """
+        world = self.comm.world_size
+        site = Site(Phase.PREFETCH, unit.index, self._param_index.get(id(group[0]), -1), len(group),
+                    sum(sp.shard_numel for sp in group) * dtype.itemsize)
+        own = self.guard.header(site)
+        predicted = self.guard.predict()
+        hit = predicted == site
+        if not hit:
+            self._agree_headers(own, predicted)
+            self.guard.mispredicted += 1
+        self.guard.observe(site)
+        numel = sum(sp.numel for sp in group)
+        for sp in group:
+            sp.begin_gather()
+            sp.holds += 1
+            self._spare[id(sp)] = (sp, True)
+        self.live_numel += numel
+        self._ahead_numel += numel
+        header = own if hit else None
+        stream = self._side_stream
+        if stream is not None:
+            if self._shards_ready is not None:
+                stream.wait_event(self._shards_ready)
+            with torch.cuda.stream(stream):
+                send = self._concat(group, dtype, 0, header)
+                recv = torch.empty(world * send.numel(), dtype=torch.uint8, device=send.device)
+                pending = self.comm.all_gather_into_async(
+                    recv, send, lambda: self._finish_prefetch(group, dtype, send, recv, header))
+        else:
+            send = self._concat(group, dtype, 0, header)
+            recv = torch.empty(world * send.numel(), dtype=torch.uint8, device=send.device)
+            pending = self.comm.all_gather_into_async(
+                recv, send, lambda: self._finish_prefetch(group, dtype, send, recv, header))
+        for sp in group:
+            self._inflight[id(sp)] = pending
+
+    def _agree_headers(self, own: list[int], predicted: Site | None) -> None:
+        """Exchange and check headers now (a site that was not predicted)."""
+        if predicted is None:
+            self._all_gather_headers(own)
+            return
+        rows = self._all_gather(self._concat(None, torch.uint8, predicted.nbytes, own), self.comm.world_size)
+        rows = rows.view(self.comm.world_size, -1)
+        self.guard.check(rows[:, :HEADER_BYTES].contiguous().view(torch.int64), own, now=True)
+
+    def _finish_prefetch(self, group: list[ShardedParam], dtype: torch.dtype, send: torch.Tensor,
+                         recv: torch.Tensor, header: list[int] | None) -> None:
+        """A prefetch completed: check its headers, write the values into the parameters.
+
+        Runs on the current stream, which `drain`/`complete` made wait for the gather; the
+        buffers were allocated on the side stream and are marked used here, so the
+        allocator does not hand them out again before this stream is done with them."""
+        if self._side_stream is not None:
+            current = torch.cuda.current_stream(recv.device)
+            send.record_stream(current)
+            recv.record_stream(current)
+        rows = recv.view(self.comm.world_size, -1)
+        if header is not None:
+            self.guard.check(rows[:, :HEADER_BYTES].contiguous().view(torch.int64), header, now=False)
+            rows = rows[:, HEADER_BYTES:]
+        values = rows.view(dtype)
+        offset = 0
+        for sp in group:
+            self._inflight.pop(id(sp), None)
+            sp.finish_gather(values[:, offset:offset + sp.shard_numel])
+            offset += sp.shard_numel
+
+    def _retain_for_reuse(self, unit: FetchUnit) -> None:
+        """Keep `unit`'s parameters gathered if the plan enters it again within the reuse
+        distance (elements gathered in between), as DeepSpeed's stage3_max_reuse_distance."""
+        policy = self.policy
+        if (not policy.reuses or not self.schedule.on_plan or self.live_numel > policy.max_live_numel
+                or not unit.fetch_list()):
+            return
+        distance = 0
+        for _, index in self.schedule.upcoming(LOOKAHEAD_ENTRIES):
+            if index == unit.index:
+                for sp in unit.fetch_list():
+                    if sp.state is ParamState.FULL and id(sp) not in self._spare:
+                        sp.holds += 1
+                        self._spare[id(sp)] = (sp, False)
+                self.reused_units += 1
+                return
+            distance += self.units[index].fetch_numel()
+            if distance > policy.reuse_distance_numel:
+                return
+
+    def _drop_spare(self) -> None:
+        """End of a step: finish the prefetches and drop every spare hold."""
+        if self._inflight:
+            self.comm.drain()
+        if self._spare:
+            spare, self._spare = self._spare, {}
+            self._ahead_numel = 0
+            self.drop([sp for sp, _ in spare.values()])
 
     # ------------------------------------------------------- access discovery
     def model_running(self) -> bool:
@@ -531,6 +713,8 @@ class Fetcher:
             for sp in unit.fetch_list():
                 call.hold(sp)
             self.acquire(call.holds, Phase.FORWARD, unit)
+            self.schedule.enter(backward, unit.index)
+            self._prefetch_ahead()
         except BaseException:
             if root:
                 self._end_root_forward()  # the post-forward will find no call to end
@@ -557,6 +741,7 @@ class Fetcher:
             self._recomputed[id(unit)] = unit
         else:
             self._keep_escaping_params(tensors)
+            self._retain_for_reuse(unit)
             self.drop(call.holds)
         if unit is self._root_unit and not backward:
             self._end_root_forward()
@@ -605,8 +790,13 @@ class Fetcher:
             self.guard.start_forward()
             if self._structure_changed:
                 self._check_structure()
-            if self.stack or self._backward_calls or self.loose or self.escaped or self._recomputed:
+            if (self.stack or self._backward_calls or self.loose or self.escaped or self._recomputed
+                    or self._spare or self._inflight):
                 self._drop_own_holds()  # the last backward never ran, or something raised
+            self.schedule.start_step(torch.is_grad_enabled())
+            if self._side_stream is not None:
+                self._shards_ready = torch.cuda.Event()
+                self._shards_ready.record()
             self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
             self._saved_hooks.__enter__()
         self.forward_depth += 1
@@ -620,6 +810,8 @@ class Fetcher:
             self._saved_hooks = None
         if unwinding():
             return  # no collective while an exception propagates: other ranks may not be here
+        if not torch.is_grad_enabled():
+            self._drop_spare()  # no backward follows
         if torch.is_grad_enabled() and self.comm.active and self.guard.trace_unsent():
             # Units entered after the last gather (resident parameters only) must match
             # too, before gradient reductions depend on them.
@@ -669,6 +861,8 @@ class Fetcher:
         self.acquire(params, Phase.BACKWARD, unit)
         call.backward_holds = list(params)
         self._backward_calls[id(call)] = call
+        self.schedule.enter(True, unit.index)
+        self._prefetch_ahead()
 
     def post_backward(self, call: Call) -> None:
         """A call's backward is done: drop its holds (and its unit's recompute holds)."""
@@ -682,6 +876,8 @@ class Fetcher:
         if self._backward_calls.pop(id(call), None) is None:
             return False
         holds, call.backward_holds = call.backward_holds, []
+        if call.unit is not None:
+            self._retain_for_reuse(call.unit)
         self.drop(holds)
         return True
 
@@ -702,6 +898,7 @@ class Fetcher:
         if self._open_tasks:
             return
         self._drop_recompute_holds()
+        self._drop_spare()
         escaped, self.escaped = self.escaped, []
         self.drop(escaped)
         self.guard.flush()

@@ -13,6 +13,12 @@ the optimizer after a step.
 
 Collective order: buckets fill in autograd's execution order, which is the same on every
 rank for the same graph, so every rank issues the same reduce-scatters in the same order.
+
+Overlap: a full bucket's reduce-scatter is asynchronous (on CUDA it runs on the process
+group's own stream): backward goes on computing while it runs. The staging buffer lives
+until the collective is drained (`Communicator.drain`, before the next collective or at
+`flush`), when the rank's slice is added into `grad_shard`. `flush()` waits for all of
+them: after it, every `grad_shard` is complete.
 """
 
 from __future__ import annotations
@@ -82,6 +88,7 @@ class GradReducer:
 
     def clear(self) -> None:
         """Forget every gradient not yet reduced (engine.zero_grad)."""
+        self.comm.drain()
         self.pending.clear()
         self.pending_numel = 0
         self.deferred.clear()
@@ -107,7 +114,7 @@ class GradReducer:
                 grad = torch.zeros(sp.shape, dtype=sp.dtype, device=sp.param.device)
             self.pending.append((sp, grad))
             self.pending_numel += sp.padded_numel
-        self.flush()
+        self._reduce_pending()
 
     def _on_grad_accumulated(self, param: torch.nn.Parameter) -> None:
         sp = self.table[param]
@@ -122,14 +129,18 @@ class GradReducer:
         self.pending.append((sp, grad))
         self.pending_numel += sp.padded_numel
         if self.pending_numel >= self.bucket_numel:
-            self.flush()
+            self._reduce_pending()
 
     def flush(self) -> None:
-        """Reduce-scatter the pending bucket, one collective per gradient dtype."""
+        """Reduce every pending gradient and wait: afterwards each `grad_shard` is complete."""
         if self.deferred:  # leaf gradients whose reduce point never came: in their fixed order
             leftovers = [sp for sp in self.table.values() if id(sp) in self.deferred]
             self.reduce_deferred(leftovers)
-            return
+        self._reduce_pending()
+        self.comm.drain()
+
+    def _reduce_pending(self) -> None:
+        """Start the reduce-scatter of the pending bucket, one collective per gradient dtype."""
         if not self.pending:
             return
         pending, self.pending, self.pending_numel = self.pending, [], 0
@@ -154,10 +165,21 @@ class GradReducer:
             offset += sp.shard_numel
         reduced = torch.empty(total, dtype=dtype, device=device)
         self._pre_scale(staging)
-        self.comm.reduce_scatter_sum(reduced, staging.view(-1))
+        params = [sp for sp, _ in group]
+        del group  # the full gradients are in `staging` now: free them before the collective ends
+        self.comm.reduce_scatter_sum_async(
+            reduced, staging.view(-1), lambda: self._accumulate_reduced(params, reduced, staging))
+
+    def _accumulate_reduced(self, params: list[ShardedParam], reduced: torch.Tensor,
+                            staging: torch.Tensor) -> None:
+        """The bucket's reduce-scatter is done: add this rank's slice into each `grad_shard`.
+
+        `staging` is only kept alive until here (the collective reads it).
+        """
+        del staging
         self._post_scale(reduced)
         offset = 0
-        for sp, _ in group:
+        for sp in params:
             piece = reduced[offset:offset + sp.shard_numel]
             offset += sp.shard_numel
             if sp.grad_shard is None:
