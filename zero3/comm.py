@@ -46,6 +46,24 @@ class CommCounters:
         return {op: (self.calls[op], self.bytes[op]) for op in sorted(self.calls)}
 
 
+class _StreamWork:
+    """A local copy queued on a CUDA stream, awaited like a collective's work handle."""
+
+    def __init__(self, event: torch.cuda.Event) -> None:
+        self.event = event
+
+    @staticmethod
+    def after_current(tensor: torch.Tensor) -> "_StreamWork | None":
+        if not tensor.is_cuda:
+            return None  # done already
+        event = torch.cuda.Event()
+        event.record()
+        return _StreamWork(event)
+
+    def wait(self) -> None:
+        torch.cuda.current_stream().wait_event(self.event)
+
+
 @dataclass(eq=False)
 class Pending:
     """An issued asynchronous collective: its work handle and what to do once it is done."""
@@ -114,8 +132,8 @@ class Communicator:
         A gather carries a header checked in `on_done` (guarded)."""
         self._before_async()
         if not self.active:
-            output.copy_(shard)
-            return self._enqueue(Pending(None, on_done, guarded=True))
+            output.copy_(shard)  # on CUDA, queued on the current (side) stream
+            return self._enqueue(Pending(_StreamWork.after_current(output), on_done, guarded=True))
         self.counters.record("all_gather", shard)
         work = _all_gather_single(output, shard, group=self.group, async_op=True)
         return self._enqueue(Pending(work, on_done, guarded=True))

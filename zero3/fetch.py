@@ -510,8 +510,10 @@ class Fetcher:
         all-gather per unit and dtype. Each prefetched parameter takes a spare hold, handed
         over when its unit is entered (or dropped at the end of the step)."""
         policy = self.policy
-        if not policy.prefetches or not self.comm.active or not self.schedule.on_plan:
+        if not policy.prefetches or not self.schedule.on_plan:
             return
+        if not self.comm.active and self._side_stream is None:
+            return  # a local copy on the host: nothing to overlap
         ahead = self._ahead_numel
         picked = 0
         chosen: list[tuple[FetchUnit, list[ShardedParam]]] = []
@@ -546,15 +548,7 @@ class Fetcher:
         on a side stream, so neither waits for the compute queued on the current stream.
         """
         world = self.comm.world_size
-        site = Site(Phase.PREFETCH, unit.index, self._param_index.get(id(group[0]), -1), len(group),
-                    sum(sp.shard_numel for sp in group) * dtype.itemsize)
-        own = self.guard.header(site)
-        predicted = self.guard.predict()
-        hit = predicted == site
-        if not hit:
-            self._agree_headers(own, predicted)
-            self.guard.mispredicted += 1
-        self.guard.observe(site)
+        header = self._prefetch_header(unit, group, dtype) if self.comm.active else None
         numel = sum(sp.numel for sp in group)
         for sp in group:
             sp.begin_gather()
@@ -562,7 +556,6 @@ class Fetcher:
             self._spare[id(sp)] = (sp, True)
         self.live_numel += numel
         self._ahead_numel += numel
-        header = own if hit else None
         stream = self._side_stream
         if stream is not None:
             if self._shards_ready is not None:
@@ -579,6 +572,19 @@ class Fetcher:
                 recv, send, lambda: self._finish_prefetch(group, dtype, send, recv, header))
         for sp in group:
             self._inflight[id(sp)] = pending
+
+    def _prefetch_header(self, unit: FetchUnit, group: list[ShardedParam], dtype: torch.dtype) -> list[int] | None:
+        """The header to send with a prefetch, or None when it was agreed on beforehand."""
+        site = Site(Phase.PREFETCH, unit.index, self._param_index.get(id(group[0]), -1), len(group),
+                    sum(sp.shard_numel for sp in group) * dtype.itemsize)
+        own = self.guard.header(site)
+        predicted = self.guard.predict()
+        hit = predicted == site
+        if not hit:
+            self._agree_headers(own, predicted)
+            self.guard.mispredicted += 1
+        self.guard.observe(site)
+        return own if hit else None
 
     def _agree_headers(self, own: list[int], predicted: Site | None) -> None:
         """Exchange and check headers now (a site that was not predicted)."""
