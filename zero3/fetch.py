@@ -273,6 +273,8 @@ class Fetcher:
         self.reused_units = 0
         self._side_stream = torch.cuda.Stream(compute_device) if compute_device.type == "cuda" else None
         self._shards_ready: torch.cuda.Event | None = None
+        self._shards_on_host = self._side_stream is not None and any(
+            sp.shard.device.type == "cpu" for sp in table.values())
         self._root_unit = next(u for u in units if u.module is root)
         names = Names(root, [u.name for u in units], [sp.name for sp in table.values()])
         self.guard = GatherGuard(names, comm.gather_objects, comm.rank, comm.world_size)
@@ -512,8 +514,8 @@ class Fetcher:
         policy = self.policy
         if not policy.prefetches or not self.schedule.on_plan:
             return
-        if not self.comm.active and self._side_stream is None:
-            return  # a local copy on the host: nothing to overlap
+        if not self.comm.active and not self._shards_on_host:
+            return  # world size 1: only a host-to-device copy is worth starting early
         ahead = self._ahead_numel
         picked = 0
         chosen: list[tuple[FetchUnit, list[ShardedParam]]] = []
