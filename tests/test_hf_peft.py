@@ -153,3 +153,85 @@ def test_generate_ranks_stop_at_different_steps():
     assert results[0]["got"][0, -1].item() == results[0]["eos"]
     for r in results:
         assert torch.equal(r["got"], r["expected"]), (r["got"], r["expected"])
+
+
+# --------------------------------------------------------------- zero3.Init
+def init_build_and_train(rank: int, world: int):
+    if EXAMPLES not in sys.path:
+        sys.path.insert(0, EXAMPLES)
+    import peft_lora as P
+    import zero3
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from zero3.export import consolidated_state_dict
+
+    torch.manual_seed(rank)  # rank 0's values must win
+    with zero3.Init():
+        base = AutoModelForCausalLM.from_config(P.llama_config())
+    storage = sum(p.untyped_storage().nbytes() for p in base.parameters())
+    model = get_peft_model(base, P.lora_config())
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    engine, _, _, _ = zero3.initialize(model=model, optimizer=P.make_optimizer(model),
+                                       config=P.zero3_config(P.RANK * P.HIDDEN))
+    initial = consolidated_state_dict(engine)
+    losses = P.train(engine, 0, 2)
+    engine.destroy()
+    torch.manual_seed(rank)
+    P.build_base(0)  # consumes the RNG as the base build above did: LoRA A gets the same draws
+    engine = P.build_engine(reentrant=False, threshold=P.RANK * P.HIDDEN)
+    plain_losses = P.train(engine, 0, 2)
+    engine.destroy()
+    return {"storage": storage, "initial": initial, "losses": losses, "plain_losses": plain_losses}
+
+
+def test_init_builds_a_partitioned_llama_that_trains_like_a_normal_build():
+    results = run_ranks(init_build_and_train, 2, timeout=300, env=ENV)
+    expected = P.build_base(0).state_dict()  # rank 0's seed, built the ordinary way
+    initial = {k.replace("base_model.model.", "").replace(".base_layer", ""): v
+               for k, v in results[0]["initial"].items() if "lora_" not in k}
+    assert set(initial) == set(expected)
+    for name, value in expected.items():
+        assert torch.equal(initial[name], value), name
+    for r in results:
+        assert r["storage"] == 0
+        assert r["losses"] == r["plain_losses"], (r["losses"], r["plain_losses"])
+
+
+def build_llama_measured(rank: int, world: int, with_init: bool):
+    import ctypes
+
+    import zero3
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from test_init import M_MMAP_THRESHOLD, peak_rss_while
+
+    ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, 64 * 1024)
+    config = LlamaConfig(vocab_size=8192, hidden_size=512, intermediate_size=1376, num_hidden_layers=4,
+                         num_attention_heads=8, num_key_value_heads=8, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+                                                 num_hidden_layers=1, num_attention_heads=2))  # warm imports
+
+    def build():
+        if not with_init:
+            return AutoModelForCausalLM.from_config(config)
+        with zero3.Init():
+            return AutoModelForCausalLM.from_config(config)
+
+    model, peak = peak_rss_while(build)
+    numels = [p.numel() for p in model.parameters()]
+    return {"peak": peak, "model_bytes": 4 * sum(numels), "largest": 4 * max(numels),
+            "storage": sum(p.untyped_storage().nbytes() for p in model.parameters())}
+
+
+def test_init_peak_memory_of_a_llama_from_config():
+    whole = run_ranks(build_llama_measured, 2, False, timeout=300, env=ENV)
+    partitioned = run_ranks(build_llama_measured, 2, True, timeout=300, env=ENV)
+    for r in whole:
+        assert r["storage"] == r["model_bytes"] and r["peak"] >= 0.95 * r["model_bytes"], r
+    for r in partitioned:
+        assert r["storage"] == 0
+        assert r["peak"] <= r["model_bytes"] / 2 + r["largest"] + 16 * 2**20, r
+        assert r["peak"] < 0.8 * r["model_bytes"], r

@@ -3,6 +3,9 @@
     zero3 checkpoint inspect DIR [--json]
     zero3 checkpoint verify  DIR [--tag T | --all]
     zero3 checkpoint export  DIR OUT.safetensors [--tag T] [--dtype fp32|bf16|fp16]
+    zero3 estimate (--params N [--trainable N] | --model-config config.json) --world-size W
+                   [--config ds_config.json] [--dtype ...] [--offload-param] [--offload-optimizer]
+                   [--persistence-threshold N] [--optimizer adamw|sgd|sgd-momentum] [--json]
 
 DIR is a save_dir (holding tags and `latest`) or one tag folder. Without --tag, verify
 and export take the checkpoint a tag-less `engine.load_checkpoint(DIR)` would load.
@@ -148,6 +151,55 @@ def export(directory: Path, out: Path, tag: str | None, dtype_name: str) -> int:
     return 0
 
 
+# -------------------------------------------------------------------- estimate
+def _estimate_config(args: argparse.Namespace) -> dict:
+    """The DeepSpeed config to estimate for: --config, with the flags given on top."""
+    config = json.loads(Path(args.config).read_text()) if args.config else {}
+    if not any(k in config for k in ("train_batch_size", "train_micro_batch_size_per_gpu")):
+        config["train_micro_batch_size_per_gpu"] = 1
+    zero = config.setdefault("zero_optimization", {})
+    zero["stage"] = 3
+    if args.offload_param:
+        zero["offload_param"] = {"device": "cpu"}
+    if args.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu"}
+    if args.persistence_threshold is not None:
+        zero["stage3_param_persistence_threshold"] = args.persistence_threshold
+    if args.dtype:
+        config.pop("bf16", None)
+        config.pop("fp16", None)
+        if args.dtype != "fp32":
+            config[args.dtype] = {"enabled": True}
+    if args.optimizer:
+        momentum = 0.9 if args.optimizer == "sgd-momentum" else 0.0
+        config["optimizer"] = ({"type": "AdamW", "params": {"lr": 1e-3}} if args.optimizer == "adamw"
+                               else {"type": "SGD", "params": {"lr": 1e-3, "momentum": momentum}})
+    return config
+
+
+def estimate(args: argparse.Namespace) -> int:
+    from .estimate import estimate_memory, model_from_hf_config
+
+    model = model_from_hf_config(args.model_config) if args.model_config else args.params
+    result = estimate_memory(model, args.world_size, _estimate_config(args), trainable=args.trainable,
+                             device_type=args.device)
+    if args.json:
+        print(json.dumps(result.as_dict(), indent=2))
+        return 0
+    print(f"{result.parameters:,} parameters ({result.trainable:,} trainable, {result.resident:,} resident "
+          f"on every rank), {str(result.dtype).replace('torch.', '')}, {result.world_size} ranks: per rank")
+    print(f"  {'':18} {'device':>12} {'host':>12}")
+    for name in result.by_category():
+        print(f"  {name:18} {_human(result.device.get(name, 0)):>12} {_human(result.host.get(name, 0)):>12}")
+    print(f"  {'total':18} {_human(result.device_total):>12} {_human(result.host_total):>12}")
+    if result.gathered_unit is None:
+        print("  plus the fetch units gathered while they run (unknown for a bare count) and activations")
+    else:
+        print(f"  plus the largest fetch unit gathered while it runs ({_human(result.gathered_unit)}, "
+              "twice with prefetch) and activations")
+    return 0
+
+
 # ------------------------------------------------------------------------ main
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="zero3", description="zero3 tools")
@@ -167,11 +219,31 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("out", type=Path)
     p.add_argument("--tag", help="the tag to export (default: what a tag-less load would pick)")
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
+    p = commands.add_parser("estimate", help="per-rank memory of a model for a world size and config")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--params", type=int, help="a parameter count")
+    source.add_argument("--model-config", help="a Hugging Face config.json (or its folder); needs zero3[hf]")
+    p.add_argument("--trainable", type=int, help="with --params: how many train (default: all)")
+    p.add_argument("--world-size", type=int, required=True, help="data-parallel ranks")
+    p.add_argument("--config", help="a DeepSpeed config JSON; the flags below override it")
+    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="compute dtype (default: the config's)")
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="the accelerator (default: cuda)")
+    p.add_argument("--offload-param", action="store_true", help="offload_param to cpu")
+    p.add_argument("--offload-optimizer", action="store_true", help="offload_optimizer to cpu")
+    p.add_argument("--persistence-threshold", type=int, help="stage3_param_persistence_threshold")
+    p.add_argument("--optimizer", choices=["adamw", "sgd", "sgd-momentum"], help="default: the config's, else AdamW")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "estimate":
+        try:
+            return estimate(args)
+        except (ValueError, OSError, ImportError) as exc:  # ConfigError is a ValueError
+            print(f"zero3 estimate: {exc}", file=sys.stderr)
+            return 2
     if not args.dir.exists():
         print(f"zero3: {args.dir}: no such directory", file=sys.stderr)
         return 1

@@ -28,7 +28,8 @@ from .fetch import Fetcher
 from .gathered import register_engine, unregister_engine
 from .optim import ShardedOptimizer
 from .optimizers import build_optimizer, build_scheduler
-from .partition import ShardedParam
+from .init import claim_init_shard
+from .partition import ParamState, ShardedParam
 from .precision import LossScaler
 from .timers import StepTimers
 from .reduce import GradReducer
@@ -122,14 +123,36 @@ class Engine:
     def _prepare_module(self, model: nn.Module) -> nn.Module:
         if not isinstance(model, nn.Module):
             raise TypeError(f"zero3.initialize(model=...) expects an nn.Module, got {type(model).__name__}")
+        self.init_shards = self._claim_init_shards(model)
         model.to(self.device)
         if self.compute_dtype != torch.float32:
             # Parameters only, as DeepSpeed: buffers keep their dtype.
             for p in model.parameters():
-                if p.is_floating_point():
+                if p.is_floating_point() and p not in self.init_shards:
                     p.data = p.data.to(self.compute_dtype)
-        self._broadcast_from_rank0(list(model.parameters()) + list(model.buffers()))
+        built_full = [p for p in model.parameters() if p not in self.init_shards]
+        self._broadcast_from_rank0(built_full + list(model.buffers()))  # Init's shards are rank 0's already
         return model
+
+    def _claim_init_shards(self, model: nn.Module) -> dict[nn.Parameter, torch.Tensor]:
+        """Take over the shards of parameters partitioned by zero3.Init, cast to the
+        compute dtype; each such parameter is left empty, on the compute device."""
+        shards: dict[nn.Parameter, torch.Tensor] = {}
+        for name, p in model.named_parameters():
+            record = claim_init_shard(p)
+            if record is None:
+                continue
+            if (record.world_size, record.rank) != (self.comm.world_size, self.comm.rank):
+                raise EngineError(
+                    f"parameter {name} was partitioned by zero3.Init as rank {record.rank} of "
+                    f"{record.world_size}, but this engine is rank {self.comm.rank} of "
+                    f"{self.comm.world_size}; build the model and the engine in the same process group")
+            dtype = self.compute_dtype if p.is_floating_point() else p.dtype
+            if p.device != self.device or p.dtype != dtype:
+                p.data = torch.empty(p.shape, dtype=dtype, device=self.device)
+                p.untyped_storage().resize_(0)
+            shards[p] = record.shard.to(dtype)
+        return shards
 
     def _broadcast_from_rank0(self, tensors: list[torch.Tensor]) -> None:
         """Rank 0's values everywhere: one broadcast per dtype over a flat copy."""
@@ -158,14 +181,26 @@ class Engine:
         pin = offload and zero.offload_param.pin_memory
         table: dict[nn.Parameter, ShardedParam] = {}
         for name, p in self.named_params:
-            _give_exclusive_storage(p)
+            init_shard = self.init_shards.pop(p, None)
+            if init_shard is None:
+                _give_exclusive_storage(p)
             table[p] = ShardedParam(
-                p, name, self.comm.rank, self.comm.world_size, id(p) in persistent, shard_device, pin
+                p, name, self.comm.rank, self.comm.world_size, id(p) in persistent, shard_device, pin,
+                shard=init_shard,
             )
         for sp in table.values():
-            if not sp.persistent:
+            if sp.state is ParamState.FULL and not sp.persistent:
                 sp.release()
+            elif sp.state is ParamState.SHARDED and sp.persistent:
+                self._gather_resident(sp)  # partitioned by zero3.Init, resident by the config
         return table
+
+    def _gather_resident(self, sp: ShardedParam) -> None:
+        """SHARDED -> FULL for good: a persistent parameter that arrived partitioned."""
+        rows = torch.empty(sp.world_size, sp.shard_numel, dtype=sp.dtype, device=self.device)
+        self.comm.all_gather_into(rows.view(-1), sp.shard.to(self.device))
+        sp.begin_gather()
+        sp.finish_gather(rows)
 
     def _resolve_optimizer(self, optimizer, model_parameters) -> torch.optim.Optimizer | None:
         spec = self.config.optimizer

@@ -1,26 +1,390 @@
-"""`zero3.Init()`: build a model already partitioned.
+"""`zero3.Init()`: build a model already partitioned (DeepSpeed's `zero.Init`).
 
-Not yet available: entering the context raises, so that a script relying on it does not
-silently build the whole model on every rank.
+    with zero3.Init():
+        model = AutoModelForCausalLM.from_config(config)   # or any nn.Module
+    engine, *_ = zero3.initialize(model=model, config=ds_config, ...)
+
+Inside the context every parameter is partitioned at the next registration of a parameter
+or a module (torch's global registration hooks, active only inside the context), and at
+the latest when the context exits: rank 0's values are broadcast, each rank keeps its flat
+slice (the same layout as `ShardedParam`), and the parameter's own storage is freed. So
+no rank holds more than the parameter(s) being built, plus its shards.
+
+Code that runs inside the context and touches a partitioned parameter's values (a parent
+re-initializing a child's weight, Hugging Face's `post_init` weight init, weight tying
+that copies) works: the parameter is gathered for that call ("materialized") and
+partitioned again ("settled", taking rank 0's values) before the next partitioned
+parameter is materialized, so one parameter at a time is ever full. Reading metadata
+(`shape`, `dtype`, `numel()`, ...) does not gather. Building is SPMD: every rank must
+construct the same model in the same order (gathers are collectives), as with DeepSpeed.
+
+Memory ownership: a partitioned parameter keeps its identity, shape, dtype and device
+(the compute device), with a zero-byte storage; its shard is owned by this module's
+registry (`init_shard_of`) until an engine adopts it (`claim_init_shard`). Outside the
+context, a partitioned parameter is usable only through the engine.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .accelerator import get_accelerator
+from .comm import Communicator
+
+
+class InitError(RuntimeError):
+    """zero3.Init was given something it cannot do."""
+
+
+@dataclass
+class InitShard:
+    """One parameter partitioned at construction: this rank's flat slice of its values.
+
+    `shard` holds elements [rank * shard_numel, (rank + 1) * shard_numel) of the
+    flattened parameter, zero past `numel` (padding), in the parameter's dtype.
+    """
+
+    shard: torch.Tensor
+    numel: int
+    world_size: int
+    rank: int
+
+    @property
+    def shard_numel(self) -> int:
+        return self.shard.numel()
+
+
+_registry: WeakIdKeyDictionary = WeakIdKeyDictionary()  # nn.Parameter -> InitShard
+
+
+def init_shard_of(param: torch.Tensor) -> InitShard | None:
+    """The shard of a parameter partitioned by zero3.Init and not yet adopted, else None."""
+    return _registry.get(param)
+
+
+def claim_init_shard(param: torch.Tensor) -> InitShard | None:
+    """Hand the shard of `param` over to its new owner (the engine); None if not partitioned."""
+    return _registry.pop(param, None)
+
+
+# Tensor methods and attributes that read metadata only: they never gather.
+_METADATA_METHODS = frozenset({
+    "numel", "nelement", "dim", "size", "stride", "is_floating_point", "is_complex", "element_size",
+    "is_contiguous", "requires_grad_", "untyped_storage", "data_ptr", "storage_offset", "get_device",
+    "__hash__", "__len__", "type", "is_pinned", "is_shared",
+})
+
+
+# Calls that write every value of their first argument without reading it: a partitioned
+# parameter there needs its storage back, not its values (no gather).
+_OVERWRITES_FIRST_ARGUMENT = frozenset({
+    "normal_", "uniform_", "zero_", "zeros_", "ones_", "fill_", "constant_", "copy_", "eye_", "dirac_",
+    "xavier_uniform_", "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "trunc_normal_",
+    "orthogonal_", "sparse_", "random_", "exponential_", "log_normal_", "cauchy_", "geometric_",
+})
+
+
+def _overwritten(func: Any, args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """The tensor a call overwrites whole without reading it (its first argument, or
+    torch.nn.init's `tensor=`, which no other argument is), if it is such a call."""
+    if getattr(func, "__name__", "") not in _OVERWRITES_FIRST_ARGUMENT:
+        return None
+    target = args[0] if args else kwargs.get("tensor")
+    others = list(args[1:]) + [v for k, v in kwargs.items() if k != "tensor"]
+    if not isinstance(target, torch.Tensor) or any(t is target for t in pytree.tree_leaves(others)):
+        return None
+    return target
+
+
+def _touches_values(func: Any) -> bool:
+    """Whether a torch function call may read or write a tensor argument's values."""
+    owner = getattr(func, "__self__", None)
+    if type(owner).__name__ == "getset_descriptor":  # an attribute: only `.data` aliases values
+        return getattr(owner, "__name__", "") == "data"
+    return getattr(func, "__name__", "") not in _METADATA_METHODS
+
+
+class _MaterializeOnUse(TorchFunctionMode):
+    """Gathers a partitioned parameter for any call that touches its values."""
+
+    def __init__(self, init: "Init") -> None:
+        super().__init__()
+        self.init = init
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not self.init.busy and _touches_values(func):
+            tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            touched = [t for t in tensors if t in _registry]
+            if touched:
+                self.init.materialize(touched, in_use=tensors, overwritten=_overwritten(func, args, kwargs))
+                result = func(*args, **kwargs)
+                self.init.settle_unless_aliased(touched, result)
+                return result
+        return func(*args, **kwargs)
+
 
 class Init:
-    """DeepSpeed's `zero.Init` context (construction-time partitioning)."""
+    """DeepSpeed's `zero.Init`: parameters partitioned while the model is built.
 
-    def __init__(self, *args, enabled: bool = True, **kwargs) -> None:
+    Arguments as DeepSpeed's. `remote_device="cpu"` keeps the shards in host memory
+    (as `offload_param` does; the engine moves them where its config says), `dtype`
+    (or the config's `bf16`/`fp16` section) is the dtype parameters are stored in,
+    `module=` partitions an already built module, `enabled=False` makes the context a
+    no-op. Model-parallel groups, NVMe and quantized weights are refused.
+    """
+
+    _active: "Init | None" = None
+
+    def __init__(self, module: nn.Module | None = None, data_parallel_group: Any = None,
+                 mem_efficient_linear: bool = True, remote_device: str | None = None,
+                 pin_memory: bool = False, config_dict_or_path: Any = None, config: Any = None,
+                 enabled: bool = True, dtype: torch.dtype | None = None, mpu: Any = None,
+                 zero_param_parallel_group: Any = None, zero_quantized_weights: bool = False,
+                 zero_quantized_nontrainable_weights: bool = False,
+                 sequence_data_parallel_group: Any = None, param_swapper: Any = None) -> None:
         self.enabled = enabled
+        if not enabled:
+            return
+        _refuse_unsupported(data_parallel_group, mpu, zero_param_parallel_group, zero_quantized_weights,
+                            zero_quantized_nontrainable_weights, sequence_data_parallel_group, param_swapper)
+        settings = _read_config(config_dict_or_path if config_dict_or_path is not None else config)
+        self.dtype = dtype or settings.get("dtype")
+        remote_device = remote_device or settings.get("remote_device")
+        if remote_device not in (None, "none", "cpu", "cuda"):
+            raise InitError(f"zero3.Init(remote_device={remote_device!r}): use 'cpu' (host shards) or None")
+        if not dist.is_initialized():
+            from .api import init_distributed
 
+            init_distributed()
+        self.comm = Communicator()
+        self.compute_device = get_accelerator().device()
+        self.shard_device = torch.device("cpu") if remote_device == "cpu" else self.compute_device
+        self.pin_memory = pin_memory or settings.get("pin_memory", False)
+        self._pending: list[nn.Parameter] = []  # registered, not yet partitioned
+        self._materialized: dict[int, nn.Parameter] = {}
+        self._handles: list[Any] = []
+        self._mode: _MaterializeOnUse | None = None
+        self.busy = False  # inside a transition: its own tensor ops must not gather
+        self._outer: Init | None = None
+        if module is not None:
+            self.partition_module(module)
+
+    # ---------------------------------------------------------------- context
     def __enter__(self) -> "Init":
-        if self.enabled:
-            raise NotImplementedError(
-                "zero3.Init() (partitioning while the model is built) is not available yet; "
-                "build the model normally and pass it to zero3.initialize, which shards it, "
-                "or use zero3.Init(enabled=False)"
-            )
+        if not self.enabled:
+            return self
+        self._outer = Init._active
+        if self._outer is not None:  # nested: the outer context does the work
+            return self
+        Init._active = self
+        hooks = nn.modules.module
+        self._handles = [
+            hooks.register_module_parameter_registration_hook(self._on_parameter_registered),
+            hooks.register_module_module_registration_hook(self._on_module_registered),
+        ]
+        self._mode = _MaterializeOnUse(self)
+        self._mode.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
+        if not self.enabled or self._outer is not None:
+            return None
+        try:
+            self._mode.__exit__(*exc)
+            for handle in self._handles:
+                handle.remove()
+            if exc[0] is None:
+                self._partition_pending()
+        finally:
+            self._pending.clear()
+            Init._active = None
         return None
+
+    # ------------------------------------------------------------------ hooks
+    def _on_parameter_registered(self, module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        """A new parameter: the ones registered before it are partitioned now."""
+        self._partition_pending()
+        if param is not None and param not in _registry:
+            self._pending.append(param)
+
+    def _on_module_registered(self, parent: nn.Module, name: str, child: nn.Module | None) -> None:
+        """A child is registered once its `__init__` has returned: partition its parameters."""
+        self._partition_pending()
+        if child is not None:
+            self.partition_module(child)
+
+    def _partition_pending(self) -> None:
+        """Settle what was materialized, partition what was registered since the last event.
+
+        Partitioning a parameter before its module has initialised it is correct (the
+        initialisation then materializes it), so at any time only the parameters
+        registered since the last registration event and those of the current call are full.
+        """
+        self.settle_all()
+        while self._pending:
+            self.partition(self._pending.pop())
+
+    # ------------------------------------------------------------ transitions
+    def partition_module(self, module: nn.Module) -> None:
+        for param in module.parameters():
+            self.partition(param)
+
+    def partition(self, param: nn.Parameter) -> None:
+        """Full -> partitioned: rank 0's values broadcast, this rank's slice kept, storage freed."""
+        if param in _registry:
+            return
+        with self._transition(), torch.no_grad():
+            full = self._full_on_compute_device(param)
+            self.comm.broadcast(full, src=0)
+            _registry[param] = InitShard(self._slice(full), param.numel(), self.comm.world_size, self.comm.rank)
+            param.data = full
+            param.untyped_storage().resize_(0)
+
+    def materialize(self, params: list[torch.Tensor], in_use: list[torch.Tensor] = (),
+                    overwritten: torch.Tensor | None = None) -> None:
+        """Partitioned -> full for one call. First every other materialized parameter is
+        settled and every pending one not used by the call (`in_use`) is partitioned, so
+        only the call's parameters are full. `overwritten` (the call writes all of it
+        and reads none) gets its storage back without a gather."""
+        with self._transition():
+            self._materialize(params, {id(t) for t in in_use}, overwritten)
+
+    def _materialize(self, params: list[torch.Tensor], in_use: set[int], overwritten: torch.Tensor | None) -> None:
+        wanted = {id(p): p for p in params}
+        for key in [k for k in self._materialized if k not in wanted]:
+            self._settle(self._materialized.pop(key))
+        keep = [p for p in self._pending if id(p) in in_use]
+        for param in self._pending:
+            if id(param) not in in_use:
+                self.partition(param)
+        self._pending = keep
+        for key, param in wanted.items():
+            if key in self._materialized:
+                continue
+            record = _registry[param]
+            param.untyped_storage().resize_(param.numel() * param.element_size())
+            self._materialized[key] = param
+            if param is overwritten:
+                continue
+            flat = param.data.view(-1)
+            padded = record.shard_numel * record.world_size
+            rows = flat if padded == flat.numel() else torch.empty(padded, dtype=param.dtype, device=flat.device)
+            self.comm.all_gather_into(rows, record.shard.to(self.compute_device))
+            if rows is not flat:
+                with torch.no_grad():
+                    flat.copy_(rows[:flat.numel()])
+
+    def settle_unless_aliased(self, params: list[torch.Tensor], result: Any) -> None:
+        """After a call: settle each of its parameters at once, unless the call returned
+        another tensor on its storage (a view, `.data`), which the caller will go on using;
+        those are settled at the next materialization or registration."""
+        with self._transition():
+            outputs = [t for t in pytree.tree_leaves(result) if isinstance(t, torch.Tensor)]
+            for param in params:
+                if id(param) not in self._materialized:
+                    continue
+                where = param.untyped_storage().data_ptr()
+                aliased = any(t is not param and t.untyped_storage().data_ptr() == where for t in outputs)
+                if not aliased:
+                    self._settle(self._materialized.pop(id(param)))
+
+    def settle_all(self) -> None:
+        with self._transition():
+            while self._materialized:
+                self._settle(self._materialized.popitem()[1])
+
+    def _settle(self, param: nn.Parameter) -> None:
+        """Full -> partitioned again after a call that may have changed it: rank 0's values."""
+        record = _registry[param]
+        with torch.no_grad():
+            full = param.data.contiguous()
+            self.comm.broadcast(full, src=0)
+            self._copy_slice_into(full, record.shard)
+        param.untyped_storage().resize_(0)
+
+    # ---------------------------------------------------------------- helpers
+    @contextlib.contextmanager
+    def _transition(self):
+        outer, self.busy = self.busy, True
+        try:
+            yield
+        finally:
+            self.busy = outer
+
+    def _full_on_compute_device(self, param: nn.Parameter) -> torch.Tensor:
+        """The parameter's values on the compute device in the storage dtype, in a tensor
+        that owns its storage alone (so freeing it frees the memory)."""
+        dtype = self.dtype if (self.dtype is not None and param.is_floating_point()) else param.dtype
+        full = param.data.to(self.compute_device, dtype)
+        exclusive = (full.is_contiguous() and full.storage_offset() == 0
+                     and full.untyped_storage().nbytes() == full.numel() * full.element_size())
+        return full if exclusive else full.clone(memory_format=torch.contiguous_format)
+
+    def _copy_slice_into(self, full: torch.Tensor, shard: torch.Tensor) -> None:
+        """This rank's slice of `full` into the existing `shard`, with no temporary."""
+        start = min(self.comm.rank * shard.numel(), full.numel())
+        valid = min(shard.numel(), full.numel() - start)
+        shard[:valid].copy_(full.reshape(-1)[start:start + valid])
+        shard[valid:].zero_()
+
+    def _slice(self, full: torch.Tensor) -> torch.Tensor:
+        world, rank = self.comm.world_size, self.comm.rank
+        shard_numel = math.ceil(full.numel() / world) if full.numel() else 0
+        flat = full.reshape(-1)
+        pad = shard_numel * world - full.numel()
+        if pad:
+            flat = torch.nn.functional.pad(flat, (0, pad))
+        shard = flat[rank * shard_numel:(rank + 1) * shard_numel].to(self.shard_device, copy=True)
+        if self.pin_memory and shard.device.type == "cpu" and torch.cuda.is_available():
+            shard = shard.pin_memory()
+        return shard
+
+
+def _refuse_unsupported(data_parallel_group, mpu, zero_param_parallel_group, zero_quantized_weights,
+                        zero_quantized_nontrainable_weights, sequence_data_parallel_group, param_swapper) -> None:
+    refused = {
+        "mpu": mpu, "zero_param_parallel_group": zero_param_parallel_group,
+        "sequence_data_parallel_group": sequence_data_parallel_group, "param_swapper": param_swapper,
+    }
+    for name, value in refused.items():
+        if value is not None:
+            raise InitError(f"zero3.Init({name}=...) is not supported (no model/sequence parallelism or "
+                            f"NVMe in zero3); leave it None")
+    if zero_quantized_weights or zero_quantized_nontrainable_weights:
+        raise InitError("zero3.Init: quantized weights are not supported; leave zero_quantized_* False")
+    if data_parallel_group is not None and data_parallel_group is not dist.group.WORLD:
+        raise InitError("zero3.Init(data_parallel_group=...): zero3 shards over the default process group; "
+                        "leave it None")
+
+
+def _read_config(config: Any) -> dict:
+    """What Init takes from a DeepSpeed config: the storage dtype and the shards' device."""
+    if config is None:
+        return {}
+    if isinstance(config, (str, Path)):
+        config = json.loads(Path(config).read_text())
+    if not isinstance(config, dict):
+        config = getattr(config, "config", None) or {}
+    settings: dict = {}
+    if config.get("bf16", {}).get("enabled"):
+        settings["dtype"] = torch.bfloat16
+    elif config.get("fp16", {}).get("enabled"):
+        settings["dtype"] = torch.float16
+    offload = (config.get("zero_optimization", {}) or {}).get("offload_param") or {}
+    if offload.get("device") == "cpu":
+        settings["remote_device"] = "cpu"
+        settings["pin_memory"] = bool(offload.get("pin_memory", False))
+    return settings

@@ -47,7 +47,11 @@ class ShardedParam:
         persistent: bool,
         shard_device: torch.device,
         pin_memory: bool = False,
+        shard: torch.Tensor | None = None,
     ) -> None:
+        """`shard` given: the parameter was partitioned already (zero3.Init) and is SHARDED,
+        its storage empty; this object takes `shard` over (moved to `shard_device`).
+        Otherwise the parameter is FULL and its local slice is copied out of it."""
         self.param = param
         self.name = name
         self.rank = rank
@@ -59,9 +63,16 @@ class ShardedParam:
         # A zero-size parameter has nothing to gather: it is simply always resident.
         self.persistent = persistent or self.numel == 0
         self.shard_device = shard_device
-        self.state = ParamState.FULL
         self.holds = 0
-        self.shard = self._take_local_shard()
+        if shard is None:
+            self.state = ParamState.FULL
+            self.shard = self._take_local_shard()
+        else:
+            if shard.numel() != self.shard_numel:
+                raise StateError(f"{name}: a shard of {shard.numel()} elements for {world_size} ranks, "
+                                 f"expected {self.shard_numel}")
+            self.state = ParamState.SHARDED
+            self.shard = shard.to(shard_device)
         if pin_memory and self.shard.device.type == "cpu" and torch.cuda.is_available():
             self.shard = self.shard.pin_memory()  # host shard copied to the GPU asynchronously
         self.grad_shard: torch.Tensor | None = None

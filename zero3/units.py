@@ -264,14 +264,21 @@ def choose_persistent(
     model_threshold: int,
 ) -> set[int]:
     """ids of the parameters that stay resident on every rank."""
-    small = sorted((p.numel(), i) for i, (_, p) in enumerate(named) if p.numel() <= param_threshold)
-    chosen: set[int] = {id(p) for _, p in named if p.numel() == 0}
+    chosen = persistent_indices([p.numel() for _, p in named], param_threshold, model_threshold)
+    return {id(named[i][1]) for i in chosen}
+
+
+def persistent_indices(numels: list[int], param_threshold: int, model_threshold: int) -> set[int]:
+    """Indices of the resident tensors: zero-size ones, then the smallest of those at most
+    `param_threshold` elements, while their total stays within `model_threshold`."""
+    small = sorted((numel, i) for i, numel in enumerate(numels) if numel <= param_threshold)
+    chosen = {i for i, numel in enumerate(numels) if numel == 0}
     total = 0
     for numel, index in small:
         if total + numel > model_threshold:
             break
         total += numel
-        chosen.add(id(named[index][1]))
+        chosen.add(index)
     return chosen
 
 

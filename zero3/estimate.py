@@ -1,0 +1,184 @@
+"""Per-rank memory of a model under zero3, before launch.
+
+`estimate_memory(model, world_size, config)` counts what an engine built with that
+DeepSpeed config will hold on each rank, with the engine's own rules:
+- every parameter has a flat shard of ceil(numel / world) elements in the compute dtype
+  (on the host with `offload_param`), and those chosen resident by
+  `stage3_param_persistence_threshold` / `stage3_model_persistence_threshold` are also
+  held whole on every rank (on the device);
+- each trainable parameter has an fp32 gradient shard and an fp32 master shard (the
+  master is the compute shard itself when both are fp32 on the same device), and the
+  optimizer's state per master: Adam/AdamW two fp32 tensors and a step counter, SGD with
+  momentum one, plain SGD none; with `offload_optimizer` all of these are on the host.
+These are the tensors `engine.sharded_bytes()` reports once the optimizer has stepped and
+while gradients are held. On top of them come the working set (the gathered fetch units,
+reported as `gathered_unit`: the largest unit, in the compute dtype, held whole while it
+runs, twice with prefetch) and activations, which depend on the batch and are not counted.
+
+The model is an nn.Module (a model built on the meta device costs nothing), a Hugging
+Face config (built on the meta device; needs the `hf` extra), or a parameter count.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .config import Zero3Config, from_deepspeed
+from .units import persistent_indices
+
+CATEGORIES = ("param_shards", "resident_params", "grad_shards", "masters", "optimizer_state")
+
+
+@dataclass
+class MemoryEstimate:
+    """Bytes per rank, by category and by where they live ('device' or 'host')."""
+
+    world_size: int
+    dtype: torch.dtype
+    parameters: int
+    trainable: int
+    resident: int  # parameters held whole on every rank
+    device: dict[str, int] = field(default_factory=dict)
+    host: dict[str, int] = field(default_factory=dict)
+    gathered_unit: int | None = None  # bytes of the largest fetch unit gathered (None: unknown)
+
+    def by_category(self) -> dict[str, int]:
+        return {k: self.device.get(k, 0) + self.host.get(k, 0) for k in CATEGORIES}
+
+    @property
+    def device_total(self) -> int:
+        return sum(self.device.values())
+
+    @property
+    def host_total(self) -> int:
+        return sum(self.host.values())
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"world_size": self.world_size, "dtype": str(self.dtype).replace("torch.", ""),
+                "parameters": self.parameters, "trainable": self.trainable, "resident": self.resident,
+                "device": dict(self.device), "host": dict(self.host), "device_total": self.device_total,
+                "host_total": self.host_total, "gathered_unit": self.gathered_unit}
+
+
+@dataclass(frozen=True)
+class _Tensor:
+    name: str
+    numel: int
+    trainable: bool
+    floating: bool = True
+
+
+def estimate_memory(model: nn.Module | int, world_size: int, config: dict | str | Path | Zero3Config,
+                    trainable: int | None = None, device_type: str = "cuda") -> MemoryEstimate:
+    """The per-rank memory of `model` (a module, or a parameter count) under `config`.
+
+    `trainable` (for a count only): how many of the parameters train (default: all).
+    `device_type`: the accelerator the engine will run on ("cuda", or "cpu", where
+    "device" and "host" are the same memory and an offloaded fp32 shard is its own master).
+    """
+    parsed = config if isinstance(config, Zero3Config) else from_deepspeed(config, world_size=world_size)
+    if isinstance(model, int):
+        tensors = _count_as_tensors(model, trainable)
+        units = []  # a bare count has no module structure
+    else:
+        tensors = [_Tensor(n, p.numel(), p.requires_grad, p.is_floating_point()) for n, p in model.named_parameters()]
+        units = _unit_sizes(model)
+    return _estimate(tensors, units, world_size, parsed, device_type)
+
+
+def _count_as_tensors(count: int, trainable: int | None) -> list[_Tensor]:
+    if count < 1:
+        raise ValueError(f"a parameter count must be positive, got {count}")
+    trainable = count if trainable is None else trainable
+    if not 0 <= trainable <= count:
+        raise ValueError(f"trainable={trainable} must be between 0 and the parameter count {count}")
+    parts = [_Tensor("trainable", trainable, True), _Tensor("frozen", count - trainable, False)]
+    return [t for t in parts if t.numel]
+
+
+def _unit_sizes(model: nn.Module) -> list[int]:
+    """Elements per default fetch unit: each ModuleList element whole, other modules' own."""
+    sizes: list[int] = []
+    inside: set[int] = set()
+    for module in model.modules():
+        if id(module) in inside:
+            continue
+        if isinstance(module, nn.ModuleList):
+            for block in module:
+                sizes.append(sum(p.numel() for p in block.parameters()))
+                inside.update(id(m) for m in block.modules())
+            continue
+        sizes.append(sum(p.numel() for p in module.parameters(recurse=False)))
+    return [s for s in sizes if s] or [0]
+
+
+def _optimizer_states(parsed: Zero3Config) -> tuple[int, int]:
+    """(fp32 state tensors per master, step-counter bytes per master) of the optimizer."""
+    spec = parsed.optimizer
+    kind = (spec.type if spec is not None else "adamw").lower()
+    if kind in ("adam", "adamw", "fusedadam", "cpuadam"):
+        return 2, 4
+    if kind == "sgd":
+        momentum = (spec.params or {}).get("momentum", 0) if spec is not None else 0
+        return (1 if momentum else 0), 0
+    raise ValueError(f"optimizer {spec.type!r}: estimate knows Adam, AdamW and SGD")
+
+
+def _estimate(tensors: list[_Tensor], units: list[int], world: int, parsed: Zero3Config,
+              device_type: str) -> MemoryEstimate:
+    zero, dtype = parsed.zero, parsed.precision.dtype
+    width = torch.empty(0, dtype=dtype).element_size()
+    chosen = persistent_indices([t.numel for t in tensors], zero.param_persistence_threshold,
+                                zero.model_persistence_threshold)
+    resident = [t for i, t in enumerate(tensors) if i in chosen]
+    shard = {t.name: math.ceil(t.numel / world) for t in tensors}
+    host_params = zero.offload_param.device == "cpu"
+    host_optim = zero.offload_optimizer.device == "cpu"
+    states, step_bytes = _optimizer_states(parsed)
+
+    def elem_width(t: _Tensor) -> int:
+        return width if t.floating else 4
+
+    param_shards = sum(shard[t.name] * elem_width(t) for t in tensors)
+    resident_bytes = sum(t.numel * elem_width(t) for t in resident)
+    train = [t for t in tensors if t.trainable]
+    grads = sum(shard[t.name] * 4 for t in train)
+    # The master is the compute shard itself when that is fp32 and where the optimizer runs.
+    on_cpu = device_type == "cpu"
+    master_is_shard = dtype == torch.float32 and (on_cpu or host_params == host_optim)
+    masters = 0 if master_is_shard else sum(shard[t.name] * 4 for t in train)
+    optim = sum(shard[t.name] * 4 * states + step_bytes for t in train)
+    device: dict[str, int] = {}
+    host: dict[str, int] = {}
+    (host if host_params else device)["param_shards"] = param_shards
+    device["resident_params"] = resident_bytes
+    for name, value in (("grad_shards", grads), ("masters", masters), ("optimizer_state", optim)):
+        (host if host_optim else device)[name] = value
+    return MemoryEstimate(
+        world_size=world, dtype=dtype, parameters=sum(t.numel for t in tensors),
+        trainable=sum(t.numel for t in train), resident=sum(t.numel for t in resident),
+        device=device, host=host, gathered_unit=max(units) * width if units else None,
+    )
+
+
+def model_from_hf_config(path: str | Path) -> nn.Module:
+    """A causal LM built on the meta device from a Hugging Face config.json (no weights)."""
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+    except ImportError as error:
+        raise ImportError("--model-config needs transformers: pip install zero3[hf]") from error
+    path = Path(path)
+    values = json.loads((path / "config.json" if path.is_dir() else path).read_text())
+    model_type = values.pop("model_type", None)
+    if model_type is None:
+        raise ValueError(f"{path}: no 'model_type' key; give a Hugging Face config.json")
+    config = AutoConfig.for_model(model_type, **values)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
