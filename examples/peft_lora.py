@@ -1,13 +1,14 @@
 """zero3 with Hugging Face transformers + PEFT LoRA: train, save, resume, export.
 
-A small Llama (`LlamaConfig`, random weights, no hub downloads) gets PEFT LoRA adapters
-on q_proj / v_proj (`get_peft_model`), HF gradient checkpointing (reentrant or not),
-and is trained with zero3 on 2 ranks with gradient accumulation 2 and parameters
-offloaded to CPU.
+A small Llama (`LlamaConfig`, random weights, no hub downloads), built inside
+`zero3.Init()` so each weight is sharded as soon as it exists, gets PEFT LoRA adapters on
+q_proj / v_proj (`get_peft_model`), HF gradient checkpointing (reentrant or not), and is
+trained with zero3 on 2 ranks with gradient accumulation 2 and parameters offloaded to CPU.
 
 Phase `first`: train STEPS optimizer steps, save a zero3 checkpoint.
-Phase `resume`: new processes load it and train STEPS more; the same 2*STEPS steps are
-then run uninterrupted and the losses after the resume compared bit for bit. Then the
+Phase `resume`: new processes load it and train STEPS more; a few tokens are generated
+with the weights gathered once; the same 2*STEPS steps are then run uninterrupted and
+the losses after the resume compared bit for bit. Then the
 model is exported: the LoRA adapter in PEFT's own format (`DIR/adapter`, loadable by
 `PeftModel.from_pretrained`) and the merged full model as safetensors (`DIR/full`,
 loadable by `LlamaForCausalLM.from_pretrained`); both are loaded back and checked to give
@@ -16,7 +17,7 @@ the trained model's logits.
     pip install -e .[hf]      # transformers==5.19.0, peft==0.21.2
     torchrun --standalone --nproc_per_node=2 examples/peft_lora.py --phase first --dir DIR
     torchrun --standalone --nproc_per_node=2 examples/peft_lora.py --phase resume --dir DIR
-    (add --reentrant for reentrant activation checkpointing)
+    (add --reentrant for reentrant activation checkpointing, --steps N for N steps a phase)
 
 The functions here are also what tests/test_hf_peft.py runs.
 """
@@ -48,12 +49,18 @@ def llama_config():
     )
 
 
-def build_base(seed: int = 0):
-    """The base Llama with random weights, the same on every rank and in every process."""
-    from transformers import LlamaForCausalLM
+def build_base(seed: int = 0, partitioned: bool = False):
+    """The base Llama with random weights, the same on every rank and in every process.
+
+    `partitioned`: built inside `zero3.Init()`, so each weight is sharded across the ranks
+    as soon as it exists (a collective: every rank builds it)."""
+    from transformers import AutoModelForCausalLM
+
+    import zero3
 
     torch.manual_seed(seed)
-    return LlamaForCausalLM(llama_config())
+    with zero3.Init(enabled=partitioned):
+        return AutoModelForCausalLM.from_config(llama_config())
 
 
 def lora_config():
@@ -63,11 +70,11 @@ def lora_config():
                       task_type="CAUSAL_LM")
 
 
-def build_peft_model(reentrant: bool, checkpointing: bool = True, seed: int = 0):
+def build_peft_model(reentrant: bool, checkpointing: bool = True, seed: int = 0, partitioned: bool = False):
     """The trainable PEFT model: frozen base, LoRA A/B on q_proj and v_proj."""
     from peft import get_peft_model
 
-    model = get_peft_model(build_base(seed), lora_config())
+    model = get_peft_model(build_base(seed, partitioned), lora_config())
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
         if reentrant:
@@ -97,7 +104,7 @@ def make_optimizer(model):
 def build_engine(reentrant: bool, threshold: int, offload: bool = True):
     import zero3
 
-    model = build_peft_model(reentrant)
+    model = build_peft_model(reentrant, partitioned=True)
     engine, _, _, _ = zero3.initialize(model=model, optimizer=make_optimizer(model),
                                        config=zero3_config(threshold, offload))
     return engine
@@ -175,6 +182,18 @@ def reference_losses(reentrant: bool, steps: int, world: int) -> dict:
     return losses
 
 
+def generate_sample(engine, new_tokens: int = 8) -> dict:
+    """Greedy generation from an arithmetic-sequence prompt, the weights gathered once (a
+    collective to enter and leave; generate itself issues none). Each rank has its own prompt."""
+    rank = engine.global_rank
+    prompt = 3 + (torch.arange(5 + rank) * 2 + 10) % (VOCAB - 3)
+    with engine.gathered_for_generation() as model, torch.no_grad():
+        out = model.generate(input_ids=prompt[None], attention_mask=torch.ones(1, prompt.numel(), dtype=torch.long),
+                             max_new_tokens=new_tokens, do_sample=False, pad_token_id=PAD, eos_token_id=None,
+                             use_cache=True)
+    return {"prompt": prompt.tolist(), "new": out[0, prompt.numel():].tolist()}
+
+
 def export(engine, folder: Path) -> dict | None:
     """Export the adapter (PEFT format) and the merged model (safetensors). A collective;
     rank 0 writes `folder/adapter` and `folder/full` and returns their paths."""
@@ -226,6 +245,7 @@ def main() -> None:
     parser.add_argument("--phase", choices=["first", "resume"], required=True)
     parser.add_argument("--dir", required=True)
     parser.add_argument("--reentrant", action="store_true", help="reentrant activation checkpointing")
+    parser.add_argument("--steps", type=int, default=10, help="optimizer steps before the save, and after the resume")
     parser.add_argument("--threshold", type=int, default=RANK * HIDDEN,
                         help="stage3_param_persistence_threshold (default: LoRA A/B stay resident)")
     args = parser.parse_args()
@@ -240,7 +260,10 @@ def main() -> None:
         say(f"zero3 + PEFT LoRA: Llama {LAYERS} layers, hidden {HIDDEN}: {total:,} parameters "
             f"({trainable:,} LoRA, trainable) on {engine.world_size} ranks, "
             f"{'reentrant' if args.reentrant else 'non-reentrant'} checkpointing, GA {GA}, CPU param offload")
-        losses = gather_losses(engine, train(engine, 0, STEPS, progress=True))
+        held = engine.sharded_bytes()
+        say(f"built inside zero3.Init: rank 0 holds {held['param_shards'] + held['resident_params']:,} bytes of "
+            f"parameters (the whole model is {4 * total:,})")
+        losses = gather_losses(engine, train(engine, 0, args.steps, progress=True))
         engine.save_checkpoint(folder / "ckpt", client_state={"losses": {str(k): v for k, v in losses.items()}})
         say(f"saved after {engine.global_steps} steps; losses (rank 0, last micro): {fmt(losses)}")
         engine.destroy()
@@ -248,12 +271,14 @@ def main() -> None:
     _, client = engine.load_checkpoint(folder / "ckpt")
     before = {tuple(int(x) for x in k.strip("()").split(", ")): v for k, v in client["losses"].items()}
     say(f"new processes loaded the checkpoint at global step {engine.global_steps}")
-    resumed = gather_losses(engine, train(engine, STEPS, STEPS, progress=True))
+    resumed = gather_losses(engine, train(engine, args.steps, args.steps, progress=True))
     logits = engine_logits(engine)
+    sample = generate_sample(engine)
     paths = export(engine, folder)
     engine.destroy()
+    say(f"generated with the weights gathered once (rank 0's prompt {sample['prompt']}): {sample['new']}")
     reference = build_engine(args.reentrant, args.threshold)
-    straight = gather_losses(reference, train(reference, 0, 2 * STEPS, progress=True))
+    straight = gather_losses(reference, train(reference, 0, 2 * args.steps, progress=True))
     reference.destroy()
     exact = {**before, **resumed} == straight
     say("losses before save : " + fmt(before))

@@ -235,3 +235,49 @@ def test_init_peak_memory_of_a_llama_from_config():
         assert r["storage"] == 0
         assert r["peak"] <= r["model_bytes"] / 2 + r["largest"] + 16 * 2**20, r
         assert r["peak"] < 0.8 * r["model_bytes"], r
+
+
+# ------------------------------------------- generation with the weights gathered once
+def generate_gathered_once(rank: int, world: int):
+    if EXAMPLES not in sys.path:
+        sys.path.insert(0, EXAMPLES)
+    import peft_lora as P
+    import zero3
+
+    engine = P.build_engine(reentrant=False, threshold=0)  # everything sharded, LoRA included
+    first = P.train(engine, 0, 1)
+    with zero3.GatheredParameters(list(engine.module.parameters())):
+        trained = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    reference = P.build_peft_model(reentrant=False, checkpointing=False)
+    reference.load_state_dict(trained, strict=False)
+    reference.eval()
+    ps, eos = pick_eos(reference)
+    with torch.no_grad():
+        expected = greedy(reference, ps[rank], eos)
+    before = engine.comm_stats()
+    with engine.gathered_for_generation() as model, torch.no_grad():
+        entered = engine.comm_stats()
+        got = greedy(model, ps[rank], eos)  # no synced_gpus: the ranks stop at different steps
+        during = engine.comm_stats()
+        mode_inside = model.training
+    after = engine.comm_stats()
+    resumed = P.train(engine, 1, 1)  # training goes on, sharded
+    engine.destroy()
+    straight_engine = P.build_engine(reentrant=False, threshold=0)
+    straight = P.train(straight_engine, 0, 2)
+    straight_engine.destroy()
+    return {"expected": expected, "got": got, "prompt_len": ps[rank].shape[1], "eos": eos,
+            "gathers_entering": entered.get("all_gather", (0, 0))[0] - before.get("all_gather", (0, 0))[0],
+            "during_equal": during == entered, "after_equal": after == during, "mode_inside": mode_inside,
+            "losses": {**first, **resumed}, "straight": straight}
+
+
+def test_generate_with_weights_gathered_once_then_training_continues():
+    results = run_ranks(generate_gathered_once, 2, timeout=300, env=ENV, collective_timeout=60)
+    new = [r["got"].shape[1] - r["prompt_len"] for r in results]
+    assert new[0] == 2 and new[1] > 2, new  # the ranks stopped at different steps
+    for r in results:
+        assert torch.equal(r["got"], r["expected"]), (r["got"], r["expected"])
+        assert r["during_equal"] and r["after_equal"]  # no collective while generating or leaving
+        assert r["gathers_entering"] > 0 and r["mode_inside"] is False
+        assert r["losses"] == r["straight"]  # generation in between changed nothing in training

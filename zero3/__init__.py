@@ -13,7 +13,9 @@ from .api import init_distributed, initialize
 from .checkpoint import CheckpointError
 from .config import ConfigError
 from .engine import Engine, EngineError
+from .estimate import estimate_memory
 from .gathered import GatheredParameters, register_external_parameter
+from .generation import gathered_for_generation
 from .divergence import DivergenceError
 from .units import set_z3_leaf_modules, set_z3_leaf_modules_by_name, set_z3_leaf_modules_by_suffix, unset_z3_leaf_modules
 from .zero import Init
@@ -22,7 +24,7 @@ DeepSpeedEngine = Engine
 
 __all__ = [
     "CheckpointError", "ConfigError", "DivergenceError", "DeepSpeedEngine", "Engine", "EngineError",
-    "GatheredParameters", "Init", "init_distributed", "initialize",
+    "GatheredParameters", "Init", "estimate_memory", "gathered_for_generation", "init_distributed", "initialize",
     "register_external_parameter", "set_z3_leaf_modules", "set_z3_leaf_modules_by_name",
     "set_z3_leaf_modules_by_suffix", "unset_z3_leaf_modules", "zero",
 ]

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from . import checkpoint as checkpoint_io
-from . import export
+from . import export, generation
 from .accelerator import get_accelerator
 from .comm import Communicator
 from .config import Zero3Config
@@ -378,6 +378,12 @@ class Engine:
     def eval(self) -> "Engine":
         self.module.eval()
         return self
+
+    def gathered_for_generation(self, eval_mode: bool = True):
+        """Context: every parameter gathered once, for generate() without per-token
+        collectives; sharded again on exit (zero3/generation.py)."""
+        self._check_alive()
+        return generation.gathered_for_generation(self, eval_mode)
 
     # --------------------------------------------------------------- queries
     def get_lr(self) -> list[float]:

@@ -264,6 +264,9 @@ class Fetcher:
         self._structure_changed = False
         self.policy = policy
         self.schedule = Schedule()
+        # False while every parameter is held (gathered_for_generation): forwards are then not
+        # recorded in the divergence trace or the schedule, since ranks may run different numbers.
+        self.tracking = True
         self.live_numel = 0  # elements of non-persistent parameters FULL or GATHERING
         # one hold each, taken by a prefetch (True) or kept for reuse (False)
         self._spare: dict[int, tuple[ShardedParam, bool]] = {}
@@ -639,6 +642,10 @@ class Fetcher:
             if distance > policy.reuse_distance_numel:
                 return
 
+    def drop_spares(self) -> None:
+        """Finish the prefetches and drop the prefetch and reuse holds (between steps)."""
+        self._drop_spare()
+
     def _drop_spare(self) -> None:
         """End of a step: finish the prefetches and drop every spare hold."""
         if self._inflight:
@@ -716,13 +723,15 @@ class Fetcher:
         if root:
             self._begin_root_forward()
         try:
-            self.guard.enter(Phase.FORWARD, unit.index)
+            if self.tracking:
+                self.guard.enter(Phase.FORWARD, unit.index)
             call = Call(unit)
             for sp in unit.fetch_list():
                 call.hold(sp)
             self.acquire(call.holds, Phase.FORWARD, unit)
-            self.schedule.enter(backward, unit.index)
-            self._prefetch_ahead()
+            if self.tracking:
+                self.schedule.enter(backward, unit.index)
+                self._prefetch_ahead()
         except BaseException:
             if root:
                 self._end_root_forward()  # the post-forward will find no call to end
@@ -795,13 +804,15 @@ class Fetcher:
     def _begin_root_forward(self) -> None:
         if self.forward_depth == 0:
             self.forward_order = []
-            self.guard.start_forward()
+            if self.tracking:
+                self.guard.start_forward()
             if self._structure_changed:
                 self._check_structure()
             if (self.stack or self._backward_calls or self.loose or self.escaped or self._recomputed
                     or self._spare or self._inflight):
                 self._drop_own_holds()  # the last backward never ran, or something raised
-            self.schedule.start_step(torch.is_grad_enabled())
+            if self.tracking:
+                self.schedule.start_step(torch.is_grad_enabled())
             if self._side_stream is not None:
                 self._shards_ready = torch.cuda.Event()
                 self._shards_ready.record()

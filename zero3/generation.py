@@ -1,0 +1,58 @@
+"""Generation with the weights gathered once, then back to sharded training.
+
+    with zero3.gathered_for_generation(engine) as model:
+        tokens = model.generate(**prompt)          # no collective per token
+    engine(batch) ...                               # training goes on, sharded
+
+Sharded generation (`engine.module.generate(..., synced_gpus=True)`) gathers every layer
+for every new token and needs every rank to run the same number of steps. Inside this
+context every parameter is gathered once, unit by unit (so the gather itself needs no
+buffer of the whole model), and held: the module's forward then issues no collective at
+all, so ranks may generate different numbers of tokens and stop at their own
+end-of-sequence.
+
+Entering and leaving are collectives (every rank must enter). Memory: the whole model in
+the compute dtype on each rank's device for the duration of the context; the shards,
+gradient shards and optimizer state are untouched, so a gradient-accumulation window may
+be open across it. The values must not be changed inside (they would be lost on exit);
+edit parameters with `GatheredParameters(params, modifier_rank=...)`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+
+class GenerationError(RuntimeError):
+    """gathered_for_generation was entered at a time it cannot be."""
+
+
+@contextlib.contextmanager
+def gathered_for_generation(engine: "Engine", eval_mode: bool = True) -> Iterator[nn.Module]:
+    """The engine's module with every parameter gathered and held, in eval mode by default."""
+    fetcher = engine.fetcher
+    if fetcher.model_running():
+        raise GenerationError("gathered_for_generation was entered inside the model's forward or "
+                              "backward; enter it between training steps")
+    fetcher.drop_spares()  # no prefetched or reused gathers left: each unit is gathered once below
+    held = []
+    for unit in engine.units:
+        fetcher.acquire(unit.params)
+        held.append(unit.params)
+    was_training = engine.module.training
+    engine.module.train(not eval_mode and was_training)
+    fetcher.tracking = False
+    try:
+        yield engine.module
+    finally:
+        fetcher.tracking = True
+        engine.module.train(was_training)
+        for params in held:
+            fetcher.drop(params)
