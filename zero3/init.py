@@ -12,9 +12,11 @@ no rank holds more than the parameter(s) being built, plus its shards.
 
 Code that runs inside the context and touches a partitioned parameter's values (a parent
 re-initializing a child's weight, Hugging Face's `post_init` weight init, weight tying
-that copies) works: the parameter is gathered for that call ("materialized") and
-partitioned again ("settled", taking rank 0's values) before the next partitioned
-parameter is materialized, so one parameter at a time is ever full. Reading metadata
+that copies) works: the parameter is gathered for that call ("materialized"; a call
+that overwrites it whole, such as `torch.nn.init.normal_`, needs no gather) and
+partitioned again right after it ("settled", taking rank 0's values), or, when the call
+returned a view of it, before the next parameter is materialized or registered; so only
+the parameters of the current call are ever full. Reading metadata
 (`shape`, `dtype`, `numel()`, ...) does not gather. Building is SPMD: every rank must
 construct the same model in the same order (gathers are collectives), as with DeepSpeed.
 
@@ -28,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .accelerator import get_accelerator
 from .comm import Communicator
+from .partition import owned_range, shard_numel_for
 
 
 class InitError(RuntimeError):
@@ -334,22 +336,18 @@ class Init:
         return full if exclusive else full.clone(memory_format=torch.contiguous_format)
 
     def _copy_slice_into(self, full: torch.Tensor, shard: torch.Tensor) -> None:
-        """This rank's slice of `full` into the existing `shard`, with no temporary."""
-        start = min(self.comm.rank * shard.numel(), full.numel())
-        valid = min(shard.numel(), full.numel() - start)
-        shard[:valid].copy_(full.reshape(-1)[start:start + valid])
-        shard[valid:].zero_()
+        """This rank's slice of `full` into the existing `shard` (padding zeroed), with no temporary."""
+        start, end = owned_range(full.numel(), shard.numel(), self.comm.rank)
+        shard[:end - start].copy_(full.reshape(-1)[start:end])
+        shard[end - start:].zero_()
 
     def _slice(self, full: torch.Tensor) -> torch.Tensor:
-        world, rank = self.comm.world_size, self.comm.rank
-        shard_numel = math.ceil(full.numel() / world) if full.numel() else 0
-        flat = full.reshape(-1)
-        pad = shard_numel * world - full.numel()
-        if pad:
-            flat = torch.nn.functional.pad(flat, (0, pad))
-        shard = flat[rank * shard_numel:(rank + 1) * shard_numel].to(self.shard_device, copy=True)
+        """A new shard (on the shard device, pinned if asked) holding this rank's slice of `full`."""
+        shard = torch.empty(shard_numel_for(full.numel(), self.comm.world_size), dtype=full.dtype,
+                            device=self.shard_device)
         if self.pin_memory and shard.device.type == "cpu" and torch.cuda.is_available():
             shard = shard.pin_memory()
+        self._copy_slice_into(full, shard)
         return shard
 
 

@@ -59,7 +59,7 @@ class ShardedParam:
         self.numel = param.numel()
         self.shape = param.shape
         self.dtype = param.dtype
-        self.shard_numel = math.ceil(self.numel / world_size) if self.numel else 0
+        self.shard_numel = shard_numel_for(self.numel, world_size)
         # A zero-size parameter has nothing to gather: it is simply always resident.
         self.persistent = persistent or self.numel == 0
         self.shard_device = shard_device
@@ -88,8 +88,7 @@ class ShardedParam:
 
     def range_of(self, rank: int) -> tuple[int, int]:
         """[start, end) of the unpadded elements that `rank` owns (possibly empty)."""
-        start = min(rank * self.shard_numel, self.numel)
-        return start, min(start + self.shard_numel, self.numel)
+        return owned_range(self.numel, self.shard_numel, rank)
 
     @property
     def local_valid_numel(self) -> int:
@@ -158,6 +157,17 @@ class ShardedParam:
             f"ShardedParam({self.name}, numel={self.numel}, shard={self.shard_numel}, "
             f"state={self.state.value}, persistent={self.persistent})"
         )
+
+
+def shard_numel_for(numel: int, world_size: int) -> int:
+    """Elements of each rank's shard of a `numel`-element tensor (the last ones padded)."""
+    return math.ceil(numel / world_size) if numel else 0
+
+
+def owned_range(numel: int, shard_numel: int, rank: int) -> tuple[int, int]:
+    """[start, end) of the unpadded elements rank `rank` owns (possibly empty)."""
+    start = min(rank * shard_numel, numel)
+    return start, min(start + shard_numel, numel)
 
 
 def copy_rows(flat: torch.Tensor, rows: torch.Tensor, shard_numel: int, into_rows: bool) -> None:
