@@ -132,7 +132,8 @@ class Communicator:
         A gather carries a header checked in `on_done` (guarded)."""
         self._before_async()
         if not self.active:
-            output.copy_(shard)  # on CUDA, queued on the current (side) stream
+            if output.data_ptr() != shard.data_ptr():
+                output.copy_(shard)  # on CUDA, queued on the current (side) stream
             return self._enqueue(Pending(_StreamWork.after_current(output), on_done, guarded=True))
         self.counters.record("all_gather", shard)
         work = _all_gather_single(output, shard, group=self.group, async_op=True)

@@ -172,6 +172,11 @@ class Engine:
                     offset += t.numel()
 
     def _shard_parameters(self) -> dict[nn.Parameter, ShardedParam]:
+        """ShardedParams for every parameter; non-persistent ones released.
+
+        At world size 1 with the shards on the compute device there is nothing to shard:
+        every parameter is aliased to its shard (partition.py) and stays resident, so no
+        gather, copy or hook work is ever done for it."""
         zero = self.config.zero
         persistent = choose_persistent(
             self.named_params, zero.param_persistence_threshold, zero.model_persistence_threshold
@@ -179,20 +184,23 @@ class Engine:
         offload = zero.offload_param.device == "cpu"
         shard_device = torch.device("cpu") if offload else self.device
         pin = offload and zero.offload_param.pin_memory
+        alias = self.comm.world_size == 1 and not offload
         table: dict[nn.Parameter, ShardedParam] = {}
         for name, p in self.named_params:
             init_shard = self.init_shards.pop(p, None)
             if init_shard is None:
                 _give_exclusive_storage(p)
-            table[p] = ShardedParam(
-                p, name, self.comm.rank, self.comm.world_size, id(p) in persistent, shard_device, pin,
+            sp = ShardedParam(
+                p, name, self.comm.rank, self.comm.world_size, alias or id(p) in persistent, shard_device, pin,
                 shard=init_shard,
             )
-        for sp in table.values():
             if sp.state is ParamState.FULL and not sp.persistent:
                 sp.release()
             elif sp.state is ParamState.SHARDED and sp.persistent:
                 self._gather_resident(sp)  # partitioned by zero3.Init, resident by the config
+            if alias:
+                sp.alias_shard()
+            table[p] = sp
         return table
 
     def _gather_resident(self, sp: ShardedParam) -> None:
@@ -349,7 +357,7 @@ class Engine:
 
     def _refresh_resident(self) -> None:
         """Resident parameters get their new values from every rank's updated shard."""
-        resident = [sp for sp in self.optimizer.params if sp.persistent and sp.numel]
+        resident = [sp for sp in self.optimizer.params if sp.persistent and sp.numel and not sp.aliased]
         by_dtype: dict[torch.dtype, list[ShardedParam]] = {}
         for sp in resident:
             by_dtype.setdefault(sp.dtype, []).append(sp)

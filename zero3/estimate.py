@@ -147,7 +147,10 @@ def _estimate(tensors: list[_Tensor], units: list[int], world: int, parsed: Zero
         return width if t.floating else 4
 
     param_shards = sum(shard[t.name] * elem_width(t) for t in tensors)
-    resident_bytes = sum(t.numel * elem_width(t) for t in resident)
+    # At world size 1 with device shards every parameter is its own shard (aliased): no
+    # separate resident copy.
+    aliased = world == 1 and not host_params
+    resident_bytes = 0 if aliased else sum(t.numel * elem_width(t) for t in resident)
     train = [t for t in tensors if t.trainable]
     grads = sum(shard[t.name] * 4 for t in train)
     # The master is the compute shard itself when that is fp32 and where the optimizer runs.

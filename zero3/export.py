@@ -442,10 +442,11 @@ def held_bytes(engine: "Engine") -> dict[str, int]:
         return 0 if t is None else t.numel() * t.element_size()
 
     shards = sum(nbytes(sp.shard) for sp in engine.table.values())
-    resident = sum(
-        sp.param.untyped_storage().nbytes() for sp in engine.table.values() if sp.persistent
+    resident = sum(  # an aliased parameter's storage is its shard, counted above
+        sp.param.untyped_storage().nbytes() for sp in engine.table.values() if sp.persistent and not sp.aliased
     )
-    grads = sum(nbytes(sp.grad_shard) for sp in engine.table.values())
+    # Host gradient shards are views of one persistent pinned buffer, held between steps too.
+    grads = max(sum(nbytes(sp.grad_shard) for sp in engine.table.values()), engine.reducer.sink.held_bytes())
     masters = optim_state = 0
     if engine.optimizer is not None:
         masters = sum(

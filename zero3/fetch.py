@@ -279,6 +279,10 @@ class Fetcher:
         self._shards_on_host = self._side_stream is not None and any(
             sp.shard.device.type == "cpu" for sp in table.values())
         self._root_unit = next(u for u in units if u.module is root)
+        # World size 1 with every parameter resident (aliased to its shard): nothing is
+        # ever gathered, so only the root's hooks run (structure checks, backward end);
+        # no per-module hook, access registration or saved-tensor hook.
+        self.all_resident = comm.world_size == 1 and all(sp.persistent for sp in table.values())
         names = Names(root, [u.name for u in units], [sp.name for sp in table.values()])
         self.guard = GatherGuard(names, comm.gather_objects, comm.rank, comm.world_size)
         self.guard.seed(self._static_sites())
@@ -290,7 +294,7 @@ class Fetcher:
             self._storage_owner[sp.param.untyped_storage()._cdata] = sp
         for module in self.root.modules():
             self._wrap(module)
-        for unit in self.units:
+        for unit in [self._root_unit] if self.all_resident else self.units:
             self._handles.append(
                 unit.module.register_forward_pre_hook(self._pre_forward_hook(unit), with_kwargs=True)
             )
@@ -348,10 +352,9 @@ class Fetcher:
                       unit: FetchUnit | None) -> None:
         """One all-gather of these shards, guarded (divergence.py): the values land in each
         parameter's own storage; the send / receive buffers are temporaries of this call."""
-        world = self.comm.world_size
         site = self._site(group, dtype, phase, unit)
-        if not self.comm.active:
-            values = self._all_gather(self._concat(group, dtype, 0), world).view(dtype).view(world, -1)
+        if not self.comm.active:  # world size 1: the concatenated shards are the values
+            values = self._concat(group, dtype, 0).view(dtype).view(1, -1)
         else:
             values = self._guarded_all_gather(site, group, dtype)
         self.live_numel += sum(sp.numel for sp in group)
@@ -397,6 +400,12 @@ class Fetcher:
             send[:head].view(torch.int64).copy_(torch.tensor(header, dtype=torch.int64))
         if group is None:
             send[head:].zero_()
+        elif group[0].shard.device.type == "cpu" and self.compute_device.type != "cpu":
+            payload = send[head:].view(dtype)  # host shards: each copied straight into place
+            offset = 0
+            for sp in group:
+                payload[offset:offset + sp.shard_numel].copy_(sp.shard, non_blocking=True)
+                offset += sp.shard_numel
         else:
             torch.cat([sp.shard.to(self.compute_device, non_blocking=True) for sp in group],
                       out=send[head:].view(dtype))
@@ -552,7 +561,6 @@ class Fetcher:
         payload follows alone. On CUDA the send buffer is built, and the collective issued,
         on a side stream, so neither waits for the compute queued on the current stream.
         """
-        world = self.comm.world_size
         header = self._prefetch_header(unit, group, dtype) if self.comm.active else None
         numel = sum(sp.numel for sp in group)
         for sp in group:
@@ -567,16 +575,22 @@ class Fetcher:
                 stream.wait_event(self._shards_ready)
             with torch.cuda.stream(stream):
                 send = self._concat(group, dtype, 0, header)
-                recv = torch.empty(world * send.numel(), dtype=torch.uint8, device=send.device)
+                recv = self._receive_buffer(send)
                 pending = self.comm.all_gather_into_async(
                     recv, send, lambda: self._finish_prefetch(group, dtype, send, recv, header))
         else:
             send = self._concat(group, dtype, 0, header)
-            recv = torch.empty(world * send.numel(), dtype=torch.uint8, device=send.device)
+            recv = self._receive_buffer(send)
             pending = self.comm.all_gather_into_async(
                 recv, send, lambda: self._finish_prefetch(group, dtype, send, recv, header))
         for sp in group:
             self._inflight[id(sp)] = pending
+
+    def _receive_buffer(self, send: torch.Tensor) -> torch.Tensor:
+        """The all-gather output for `send`; at world size 1 that is `send` itself."""
+        if not self.comm.active:
+            return send
+        return torch.empty(self.comm.world_size * send.numel(), dtype=torch.uint8, device=send.device)
 
     def _prefetch_header(self, unit: FetchUnit, group: list[ShardedParam], dtype: torch.dtype) -> list[int] | None:
         """The header to send with a prefetch, or None when it was agreed on beforehand."""
@@ -661,6 +675,8 @@ class Fetcher:
 
     def on_access(self, param: nn.Parameter) -> None:
         """A parameter was read through its module attribute."""
+        if self.all_resident:
+            return
         sp = self.table.get(param)
         if sp is None or not self.model_running():
             return
@@ -816,8 +832,9 @@ class Fetcher:
             if self._side_stream is not None:
                 self._shards_ready = torch.cuda.Event()
                 self._shards_ready.record()
-            self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-            self._saved_hooks.__enter__()
+            if not self.all_resident:
+                self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+                self._saved_hooks.__enter__()
         self.forward_depth += 1
 
     def _end_root_forward(self) -> None:

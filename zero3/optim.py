@@ -49,7 +49,7 @@ class ShardedOptimizer:
         self.pin_memory = pin_memory and master_device.type == "cpu" and torch.cuda.is_available()
         self.params: list[ShardedParam] = []
         self.masters: list[torch.Tensor] = []
-        self.last_grad_norm: float | None = None
+        self._last_norm: torch.Tensor | float | None = None
         self._remap_param_groups(table)
 
     # ------------------------------------------------------------------ setup
@@ -97,11 +97,22 @@ class ShardedOptimizer:
                 group["fused"] = True
 
     # ------------------------------------------------------------------- step
-    def global_grad_norm(self) -> float:
-        """L2 norm of the full gradient: each element lives in exactly one rank's shard."""
+    @property
+    def last_grad_norm(self) -> float | None:
+        """The global gradient norm of the last step (read from the device on first use:
+        the step itself never waits for it unless overflow checking needs it)."""
+        if self._last_norm is None:
+            return None
+        if not isinstance(self._last_norm, float):
+            self._last_norm = math.sqrt(float(self._last_norm.item()))
+        return self._last_norm
+
+    def global_grad_norm_squared(self) -> torch.Tensor:
+        """Squared L2 norm of the full gradient (fp64, one element, on the device where it
+        was reduced); each element lives in exactly one rank's shard. No host sync."""
         grads = [m.grad for m in self.masters if m.grad is not None]
         if grads:
-            # One fused pass and one host sync for all shards, whatever their number.
+            # One fused pass for all shards, whatever their number.
             norms = torch._foreach_norm(grads, 2.0)
             local = torch.stack(norms).double().pow(2).sum().reshape(1)
         else:
@@ -109,7 +120,21 @@ class ShardedOptimizer:
         if self.comm.active and local.device.type == "cpu" and torch.cuda.is_available() and dist_backend_is_nccl():
             local = local.cuda()
         self.comm.all_reduce(local)
-        return math.sqrt(float(local.item()))
+        return local
+
+    def global_grad_norm(self) -> float:
+        """L2 norm of the full gradient (waits for it)."""
+        return math.sqrt(float(self.global_grad_norm_squared().item()))
+
+    def _clip(self, squared_norm: torch.Tensor) -> None:
+        """Scale the gradients by min(1, clip / (norm + 1e-6)), as torch's clip_grad_norm_,
+        computed on the device (no host sync)."""
+        grads = [m.grad for m in self.masters]
+        if not grads:
+            return
+        coefficient = (self.gradient_clipping / (squared_norm.sqrt() + 1e-6)).clamp(max=1.0)
+        for device, group in _by_device(grads).items():
+            torch._foreach_mul_(group, coefficient.to(device, torch.float32).reshape(()))
 
     def step(self, grad_divisor: float = 1.0) -> bool:
         """One optimizer step over the shards; grads are consumed.
@@ -124,21 +149,33 @@ class ShardedOptimizer:
             master.grad = sp.grad_shard if sp.grad_shard is not None else torch.zeros_like(master)
         if grad_divisor != 1.0:
             torch._foreach_div_([m.grad for m in self.masters], grad_divisor)
-        self.last_grad_norm = self.global_grad_norm()
+        squared = self.global_grad_norm_squared()
+        self._last_norm = squared
         if self.check_overflow and not math.isfinite(self.last_grad_norm):
             self.zero_grad()
             return False
         if self.gradient_clipping > 0:
-            coefficient = self.gradient_clipping / (self.last_grad_norm + 1e-6)
-            if coefficient < 1.0:
-                torch._foreach_mul_([m.grad for m in self.masters], coefficient)
+            self._clip(squared)
         self.optimizer.step()
-        with torch.no_grad():
-            for sp, master in zip(self.params, self.masters):
-                if master is not sp.shard:
-                    sp.shard.copy_(master)
+        self._write_back_shards()
         self.zero_grad()
         return True
+
+    def _write_back_shards(self) -> None:
+        """master -> compute shard (a cast), one fused copy per device pair."""
+        pairs: dict[tuple[torch.device, torch.device], tuple[list, list]] = {}
+        for sp, master in zip(self.params, self.masters):
+            if master is not sp.shard:
+                shards, sources = pairs.setdefault((sp.shard.device, master.device), ([], []))
+                shards.append(sp.shard)
+                sources.append(master)
+        with torch.no_grad():
+            for (shard_device, master_device), (shards, sources) in pairs.items():
+                if shard_device == master_device:
+                    torch._foreach_copy_(shards, sources)
+                else:
+                    for shard, source in zip(shards, sources):
+                        shard.copy_(source)
 
     def zero_grad(self) -> None:
         for sp, master in zip(self.params, self.masters):
@@ -148,6 +185,13 @@ class ShardedOptimizer:
     def master_of(self, sp: ShardedParam) -> torch.Tensor | None:
         """The fp32 master of `sp`, or None for a parameter the optimizer does not step."""
         return self._master_by_param.get(id(sp))
+
+
+def _by_device(tensors: list[torch.Tensor]) -> dict[torch.device, list[torch.Tensor]]:
+    groups: dict[torch.device, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault(t.device, []).append(t)
+    return groups
 
 
 def dist_backend_is_nccl() -> bool:

@@ -15,6 +15,11 @@ Memory ownership:
 
 State transitions, and only these, are done by the methods below; each checks the state
 it starts from:  SHARDED --begin_gather--> GATHERING --finish_gather--> FULL --release--> SHARDED
+
+Aliasing (world size 1, shard on the parameter's own device): after `alias_shard()` the
+shard *is* a flat view of the parameter's storage, the parameter is resident for good
+(FULL, never released), and writing the shard (optimizer write-back, checkpoint load)
+writes the parameter. Nothing is ever gathered or copied for it.
 """
 
 from __future__ import annotations
@@ -76,6 +81,7 @@ class ShardedParam:
         if pin_memory and self.shard.device.type == "cpu" and torch.cuda.is_available():
             self.shard = self.shard.pin_memory()  # host shard copied to the GPU asynchronously
         self.grad_shard: torch.Tensor | None = None
+        self.aliased = False
 
     # ----------------------------------------------------------------- layout
     @property
@@ -121,6 +127,19 @@ class ShardedParam:
         self.param.untyped_storage().resize_(0)
         self.state = ParamState.SHARDED
 
+    def alias_shard(self) -> None:
+        """FULL -> FULL, resident for good: the shard becomes a view of the parameter's
+        storage (the separate shard copy is freed). Only at world size 1 with the shard
+        on the parameter's device, where the shard and the parameter hold the same values."""
+        self._expect(ParamState.FULL, "alias_shard")
+        if self.world_size != 1 or self.shard.device != self.param.device or not self.param.is_contiguous():
+            raise StateError(f"alias_shard({self.name}): needs world size 1, the shard on the parameter's "
+                             f"device and a contiguous parameter (world {self.world_size}, shard on "
+                             f"{self.shard.device}, parameter on {self.param.device})")
+        self.shard = self.param.data.view(-1)
+        self.persistent = True
+        self.aliased = True
+
     def begin_gather(self) -> None:
         """SHARDED -> GATHERING: allocate the full storage back (values not yet valid)."""
         self._expect(ParamState.SHARDED, "begin_gather")
@@ -141,7 +160,8 @@ class ShardedParam:
     def refresh(self, rows: torch.Tensor) -> None:
         """FULL -> FULL: new values after an optimizer step, for resident parameters."""
         self._expect(ParamState.FULL, "refresh")
-        self.write_rows(rows)
+        if not self.aliased:  # an aliased parameter's values are its shard's already
+            self.write_rows(rows)
 
     def write_rows(self, rows: torch.Tensor) -> None:
         """Copy the unpadded part of `rows` ([world_size, shard_numel]) into the parameter."""

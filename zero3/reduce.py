@@ -4,12 +4,13 @@ When autograd has accumulated a parameter's full gradient (post-accumulate-grad 
 the gradient is copied into the pending bucket and `param.grad` is set to None at once,
 so no full gradient outlives its hook. A bucket is reduce-scattered (a sum, scaled to the mean over ranks)
 when it reaches `bucket_numel` elements and at the end of every backward; each rank adds
-its slice into `ShardedParam.grad_shard` (fp32), which therefore accumulates over the
-micro-steps of a gradient-accumulation window.
+its slice into `ShardedParam.grad_shard` (fp32, through `GradSink`), which therefore
+accumulates over the micro-steps of a gradient-accumulation window.
 
 Memory ownership: the bucket's staging buffer is owned here and lives only during a
-flush; `grad_shard` tensors are owned by their ShardedParam and zeroed (set to None) by
-the optimizer after a step.
+flush; `grad_shard` tensors are placed by the sink (grad_sink.py: fresh per window on the
+gradient's own device, views of one persistent pinned buffer on the host) and dropped
+(set to None) by the optimizer after a step.
 
 Collective order: buckets fill in autograd's execution order, which is the same on every
 rank for the same graph, so every rank issues the same reduce-scatters in the same order.
@@ -18,7 +19,7 @@ Overlap: a full bucket's reduce-scatter is asynchronous (on CUDA it runs on the 
 group's own stream): backward goes on computing while it runs. The staging buffer lives
 until the collective is drained (`Communicator.drain`, before the next collective or at
 `flush`), when the rank's slice is added into `grad_shard`. `flush()` waits for all of
-them: after it, every `grad_shard` is complete.
+them, and for the sink's host copies: after it, every `grad_shard` is complete.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from .comm import Communicator
+from .grad_sink import GradSink
 from .partition import ShardedParam
 
 
@@ -48,6 +50,7 @@ class GradReducer:
         self.bucket_numel = max(int(bucket_numel), 1)
         self.reduce_dtype = reduce_dtype
         self.grad_device = grad_device
+        self.sink = GradSink(params, grad_device, staging_bytes=4 * 2 * self.bucket_numel)
         self.pending: list[tuple[ShardedParam, torch.Tensor]] = []
         self.deferred_ids: set[int] = set()
         self.deferred: dict[int, torch.Tensor] = {}
@@ -60,13 +63,10 @@ class GradReducer:
         ]
 
     def _accumulate_unsharded(self, group: list[tuple[ShardedParam, torch.Tensor]]) -> None:
-        """World size 1: the shard is the whole (padded) gradient; no staging, no copy
-        beyond the fp32 accumulation itself."""
+        """World size 1: the shard is the whole gradient (shard_numel == numel); no
+        staging, nothing but the fp32 accumulation itself."""
         for sp, grad in group:
-            flat = grad.reshape(-1)
-            if sp.grad_shard is None:
-                sp.grad_shard = torch.zeros(sp.shard_numel, dtype=torch.float32, device=self.grad_device)
-            sp.grad_shard[: sp.numel].add_(flat.to(self.grad_device))
+            self.sink.deliver(sp, grad.reshape(-1))
 
     def _pre_scale(self, staging: torch.Tensor) -> None:
         """DeepSpeed's prescale_gradients / gradient_predivide_factor: divide before the
@@ -89,6 +89,7 @@ class GradReducer:
     def clear(self) -> None:
         """Forget every gradient not yet reduced (engine.zero_grad)."""
         self.comm.drain()
+        self.sink.finish()
         self.pending.clear()
         self.pending_numel = 0
         self.deferred.clear()
@@ -138,6 +139,7 @@ class GradReducer:
             self.reduce_deferred(leftovers)
         self._reduce_pending()
         self.comm.drain()
+        self.sink.finish()
 
     def _reduce_pending(self) -> None:
         """Start the reduce-scatter of the pending bucket, one collective per gradient dtype."""
@@ -180,9 +182,5 @@ class GradReducer:
         self._post_scale(reduced)
         offset = 0
         for sp in params:
-            piece = reduced[offset:offset + sp.shard_numel]
+            self.sink.deliver(sp, reduced[offset:offset + sp.shard_numel])
             offset += sp.shard_numel
-            if sp.grad_shard is None:
-                sp.grad_shard = piece.to(self.grad_device, torch.float32, copy=True)
-            else:
-                sp.grad_shard.add_(piece.to(self.grad_device, torch.float32))
