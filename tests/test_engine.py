@@ -202,3 +202,41 @@ def test_resume_is_bit_exact(tmp_path, world):
         assert lr_a == lr_b
         for name in state_a:
             assert torch.equal(state_a[name], state_b[name]), name
+
+
+def aliasing_at_world_one(rank: int, world: int, offload: bool):
+    import zero3
+
+    model = make_model()
+    zero = {"stage": 3, "stage3_param_persistence_threshold": 0}
+    if offload:
+        zero["offload_param"] = {"device": "cpu"}
+    engine, *_ = zero3.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
+                                  config={"train_micro_batch_size_per_gpu": MICRO, "zero_optimization": zero})
+    x, y = make_batches(1, MICRO)[0]
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for _ in range(2):
+        engine.backward(engine(x, y))
+        engine.step()
+    sps = list(engine.table.values())
+    return {
+        "aliased": [sp.aliased for sp in sps],
+        "same_storage": [sp.shard.data_ptr() == sp.param.data_ptr() for sp in sps],
+        "all_resident": engine.fetcher.all_resident,
+        "hooks": len(engine.fetcher._handles),
+        "units": len(engine.units),
+        "changed": all(not torch.equal(before[n], p.detach()) for n, p in model.named_parameters()),
+    }
+
+
+def test_world_one_parameters_are_their_shards():
+    """World size 1, shards on the compute device: each parameter's storage is its shard,
+    only the root unit's hooks are installed, and the optimizer's write-back updates the
+    parameters directly. With offload_param the fetch path stays (shards on the host)."""
+    [plain] = run_ranks(aliasing_at_world_one, 1, False)
+    assert all(plain["aliased"]) and all(plain["same_storage"]), plain
+    assert plain["all_resident"] and plain["hooks"] == 2 and plain["units"] > 1, plain
+    assert plain["changed"], "the optimizer step did not reach the parameters"
+    [offloaded] = run_ranks(aliasing_at_world_one, 1, True)
+    assert not any(offloaded["aliased"]) and not offloaded["all_resident"], offloaded
+    assert offloaded["hooks"] == 2 * offloaded["units"] and offloaded["changed"], offloaded

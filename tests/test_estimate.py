@@ -79,6 +79,16 @@ def test_estimate_matches_at_four_ranks():
             assert r["estimate"][category] == pytest.approx(held, rel=0.05, abs=64), (category, r)
 
 
+@pytest.mark.parametrize("name", ["bf16", "resident-small", "bf16-offload-param"])
+def test_estimate_matches_at_one_rank(name):
+    """World size 1: parameters are their own shards (no resident copy) unless offloaded."""
+    for r in run_ranks(held_and_estimated, 1, CONFIGS[name]):
+        for category, held in r["held"].items():
+            assert r["estimate"][category] == pytest.approx(held, rel=0.05, abs=64), (category, r)
+        if "offload_param" not in json.dumps(CONFIGS[name]):
+            assert r["held"]["resident_params"] == 0 and r["held"]["param_shards"] > 0
+
+
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "zero3.cli", "estimate", *args],
                           capture_output=True, text=True, timeout=120)

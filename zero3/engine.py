@@ -377,6 +377,7 @@ class Engine:
         self.reducer.clear()
         for sp in self.table.values():
             sp.grad_shard = None
+            sp.grad_sq_norm = None
             sp.param.grad = None
 
     def train(self, mode: bool = True) -> "Engine":

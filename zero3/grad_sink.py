@@ -18,6 +18,10 @@ Two placements:
   pinned staging tensor that is added on the CPU once its copy is done (bounded: the
   oldest staged slices are added when more than `staging_bytes` wait).
 
+Invariant: `sp.grad_sq_norm`, when not None, is the squared L2 norm of `sp.grad_shard`
+(on the GPU); the host path sets it for a window's first slice and clears it on a second.
+Whoever drops a `grad_shard` drops it too.
+
 Invariant: after `finish()` every `grad_shard` holds its complete value and no copy is
 in flight. Until then a `grad_shard` may still be being written: nothing but `finish()`
 reads it.
@@ -81,7 +85,12 @@ class GradSink:
 
     # ----------------------------------------------------------------- host path
     def _deliver_to_host(self, sp: ShardedParam, piece: torch.Tensor) -> None:
+        """The first slice's squared norm is taken on the GPU on its way down
+        (`sp.grad_sq_norm`): a norm over gigabytes of host gradients costs more than
+        the CPU optimizer step."""
         source = piece.float() if piece.dtype != torch.float32 else piece
+        if sp.grad_shard is None:
+            sp.grad_sq_norm = torch.linalg.vector_norm(source, dtype=torch.float64).square()
         stream = self._stream(source.device)
         stream.wait_stream(torch.cuda.current_stream(source.device))
         source.record_stream(stream)
@@ -91,6 +100,7 @@ class GradSink:
                 shard[: source.numel()].copy_(source, non_blocking=True)
                 sp.grad_shard = shard
             else:
+                sp.grad_sq_norm = None  # a second slice: the norm is the host's to compute
                 staging = torch.empty(source.numel(), dtype=torch.float32, pin_memory=True)
                 staging.copy_(source, non_blocking=True)
                 event = torch.cuda.Event()

@@ -50,6 +50,7 @@ class ShardedOptimizer:
         self.params: list[ShardedParam] = []
         self.masters: list[torch.Tensor] = []
         self._last_norm: torch.Tensor | float | None = None
+        self._grad_divisor = 1.0
         self._remap_param_groups(table)
 
     # ------------------------------------------------------------------ setup
@@ -110,13 +111,21 @@ class ShardedOptimizer:
     def global_grad_norm_squared(self) -> torch.Tensor:
         """Squared L2 norm of the full gradient (fp64, one element, on the device where it
         was reduced); each element lives in exactly one rank's shard. No host sync."""
-        grads = [m.grad for m in self.masters if m.grad is not None]
+        grads, known = [], []
+        for sp, m in zip(self.params, self.masters):
+            if m.grad is None:
+                continue
+            if sp.grad_sq_norm is not None and m.grad is sp.grad_shard:
+                known.append(sp.grad_sq_norm)  # taken on the GPU on the way to the host
+            else:
+                grads.append(m.grad)
+        local = torch.zeros(1, dtype=torch.float64, device=self.master_device)
         if grads:
             # One fused pass for all shards, whatever their number.
             norms = torch._foreach_norm(grads, 2.0)
-            local = torch.stack(norms).double().pow(2).sum().reshape(1)
-        else:
-            local = torch.zeros(1, dtype=torch.float64, device=self.master_device)
+            local = local + torch.stack(norms).double().pow(2).sum()
+        if known:
+            local = local + torch.stack(known).sum().to(self.master_device) / self._grad_divisor ** 2
         if self.comm.active and local.device.type == "cpu" and torch.cuda.is_available() and dist_backend_is_nccl():
             local = local.cuda()
         self.comm.all_reduce(local)
@@ -144,6 +153,7 @@ class ShardedOptimizer:
         Returns False (and changes nothing but the gradients, which are dropped) when
         overflow checking is on and the global gradient norm is inf or nan.
         """
+        self._grad_divisor = grad_divisor
         for sp, master in zip(self.params, self.masters):
             # A trainable parameter unused in this window gets a zero gradient (as DeepSpeed).
             master.grad = sp.grad_shard if sp.grad_shard is not None else torch.zeros_like(master)
@@ -180,6 +190,7 @@ class ShardedOptimizer:
     def zero_grad(self) -> None:
         for sp, master in zip(self.params, self.masters):
             sp.grad_shard = None
+            sp.grad_sq_norm = None
             master.grad = None
 
     def master_of(self, sp: ShardedParam) -> torch.Tensor | None:

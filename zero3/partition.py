@@ -81,6 +81,8 @@ class ShardedParam:
         if pin_memory and self.shard.device.type == "cpu" and torch.cuda.is_available():
             self.shard = self.shard.pin_memory()  # host shard copied to the GPU asynchronously
         self.grad_shard: torch.Tensor | None = None
+        # squared L2 norm of grad_shard when known on the device (grad_sink.py), else None
+        self.grad_sq_norm: torch.Tensor | None = None
         self.aliased = False
 
     # ----------------------------------------------------------------- layout
