@@ -214,18 +214,18 @@ def aliasing_at_world_one(rank: int, world: int, offload: bool):
     engine, *_ = zero3.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
                                   config={"train_micro_batch_size_per_gpu": MICRO, "zero_optimization": zero})
     x, y = make_batches(1, MICRO)[0]
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    before = {sp.name: sp.shard.clone() for sp in engine.table.values()}  # aliased: the parameter itself
     for _ in range(2):
         engine.backward(engine(x, y))
         engine.step()
     sps = list(engine.table.values())
     return {
         "aliased": [sp.aliased for sp in sps],
-        "same_storage": [sp.shard.data_ptr() == sp.param.data_ptr() for sp in sps],
+        "same_storage": [sp.aliased and sp.shard.data_ptr() == sp.param.data_ptr() for sp in sps],
         "all_resident": engine.fetcher.all_resident,
         "hooks": len(engine.fetcher._handles),
         "units": len(engine.units),
-        "changed": all(not torch.equal(before[n], p.detach()) for n, p in model.named_parameters()),
+        "changed": all(not torch.equal(before[sp.name], sp.shard) for sp in sps if sp.requires_grad),
     }
 
 
