@@ -50,7 +50,6 @@ class ShardedOptimizer:
         self.params: list[ShardedParam] = []
         self.masters: list[torch.Tensor] = []
         self._last_norm: torch.Tensor | float | None = None
-        self._grad_divisor = 1.0
         self._remap_param_groups(table)
 
     # ------------------------------------------------------------------ setup
@@ -108,9 +107,10 @@ class ShardedOptimizer:
             self._last_norm = math.sqrt(float(self._last_norm.item()))
         return self._last_norm
 
-    def global_grad_norm_squared(self) -> torch.Tensor:
+    def global_grad_norm_squared(self, grad_divisor: float = 1.0) -> torch.Tensor:
         """Squared L2 norm of the full gradient (fp64, one element, on the device where it
-        was reduced); each element lives in exactly one rank's shard. No host sync."""
+        was reduced); each element lives in exactly one rank's shard. No host sync.
+        `grad_divisor`: what the gradients were divided by after their norms were taken."""
         grads, known = [], []
         for sp, m in zip(self.params, self.masters):
             if m.grad is None:
@@ -125,7 +125,7 @@ class ShardedOptimizer:
             norms = torch._foreach_norm(grads, 2.0)
             local = local + torch.stack(norms).double().pow(2).sum()
         if known:
-            local = local + torch.stack(known).sum().to(self.master_device) / self._grad_divisor ** 2
+            local = local + torch.stack(known).sum().to(self.master_device) / grad_divisor ** 2
         if self.comm.active and local.device.type == "cpu" and torch.cuda.is_available() and dist_backend_is_nccl():
             local = local.cuda()
         self.comm.all_reduce(local)
@@ -138,12 +138,11 @@ class ShardedOptimizer:
     def _clip(self, squared_norm: torch.Tensor) -> None:
         """Scale the gradients by min(1, clip / (norm + 1e-6)), as torch's clip_grad_norm_,
         computed on the device (no host sync)."""
-        grads = [m.grad for m in self.masters]
+        grads = [m.grad for m in self.masters]  # all on master_device
         if not grads:
             return
         coefficient = (self.gradient_clipping / (squared_norm.sqrt() + 1e-6)).clamp(max=1.0)
-        for device, group in _by_device(grads).items():
-            torch._foreach_mul_(group, coefficient.to(device, torch.float32).reshape(()))
+        torch._foreach_mul_(grads, coefficient.to(self.master_device, torch.float32).reshape(()))
 
     def step(self, grad_divisor: float = 1.0) -> bool:
         """One optimizer step over the shards; grads are consumed.
@@ -153,13 +152,12 @@ class ShardedOptimizer:
         Returns False (and changes nothing but the gradients, which are dropped) when
         overflow checking is on and the global gradient norm is inf or nan.
         """
-        self._grad_divisor = grad_divisor
         for sp, master in zip(self.params, self.masters):
             # A trainable parameter unused in this window gets a zero gradient (as DeepSpeed).
             master.grad = sp.grad_shard if sp.grad_shard is not None else torch.zeros_like(master)
         if grad_divisor != 1.0:
             torch._foreach_div_([m.grad for m in self.masters], grad_divisor)
-        squared = self.global_grad_norm_squared()
+        squared = self.global_grad_norm_squared(grad_divisor)
         self._last_norm = squared
         if self.check_overflow and not math.isfinite(self.last_grad_norm):
             self.zero_grad()
@@ -196,13 +194,6 @@ class ShardedOptimizer:
     def master_of(self, sp: ShardedParam) -> torch.Tensor | None:
         """The fp32 master of `sp`, or None for a parameter the optimizer does not step."""
         return self._master_by_param.get(id(sp))
-
-
-def _by_device(tensors: list[torch.Tensor]) -> dict[torch.device, list[torch.Tensor]]:
-    groups: dict[torch.device, list[torch.Tensor]] = {}
-    for t in tensors:
-        groups.setdefault(t.device, []).append(t)
-    return groups
 
 
 def dist_backend_is_nccl() -> bool:
