@@ -265,6 +265,7 @@ def _check_client_state(client_state: Any) -> None:
 def _master_map(engine: "Engine") -> dict[int, torch.Tensor]:
     if engine.optimizer is None:
         return {}
+    engine.optimizer.wait()
     return {id(sp): m for sp, m in zip(engine.optimizer.params, engine.optimizer.masters)}
 
 

@@ -161,6 +161,8 @@ class OffloadConfig:
 
     device: str = "none"
     pin_memory: bool = False  # from_deepspeed fills DeepSpeed's default (True) when a section is given
+    # offload_optimizer only: run the CPU update behind the next forward ("auto", True, False)
+    overlap_step: bool | str = "auto"
 
     @property
     def enabled(self) -> bool:
@@ -592,6 +594,15 @@ def _offload_device(key: str, value: Any) -> str:
     return value
 
 
+def _overlap_step(key: str, value: Any) -> bool | str:
+    """Converter for ``offload_optimizer.overlap_step``: "auto", true or false."""
+    if value is None or value == "auto":
+        return "auto"
+    if not isinstance(value, bool):
+        _fail(key, value, 'expected "auto", true or false', 'Write "auto", true or false.')
+    return value
+
+
 _OFFLOAD_COMMON: dict[str, _Rule] = {
     "device": _Map("device", _offload_device, '"none" or "cpu": where the shards live between uses; '
                    '"nvme" is refused'),
@@ -617,6 +628,10 @@ _OFFLOAD_OPTIMIZER_RULES: dict[str, _Rule] = {
     "ratio": _off(1.0, "zero3 offloads all optimizer state or none (no partial offload)",
                   'Remove the key, or set offload_optimizer.device to "none".'),
     "super_offload": _off(False, "SuperOffload (Superchip CPU offload) is not implemented"),
+    "overlap_step": _Map("overlap_step", _overlap_step,
+                         'zero3 only: "auto" (default), true or false: the CPU optimizer update '
+                         "runs behind the next forward, unit by unit (with offload_param on the "
+                         'CPU too; "auto": when the compute device is a GPU)'),
     "cpuadam_cores_perc": _off(0.8, "zero3 has no DeepSpeed CPU Adam; the key applies only "
                                "with super_offload"),
 }

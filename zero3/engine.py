@@ -92,6 +92,7 @@ class Engine:
             grad_device=self.master_device,
             prescale=config.prescale_gradients,
             predivide_factor=config.gradient_predivide_factor,
+            overlap=config.zero.overlap_comm,
         )
         for unit in self.units:
             if unit.leaf:
@@ -106,15 +107,21 @@ class Engine:
             ),
         )
         client_optimizer = self._resolve_optimizer(optimizer, model_parameters)
+        overlap = client_optimizer is not None and self._overlaps_host_step(client_optimizer)
         self.optimizer = (
             ShardedOptimizer(
                 client_optimizer, self.table, self.comm, self.master_device, config.gradient_clipping,
                 check_overflow=config.precision.check_grad_overflow,
                 pin_memory=config.zero.offload_optimizer.device == "cpu" and config.zero.offload_optimizer.pin_memory,
+                sub_group_numel=config.zero.sub_group_size,
+                unit_order=self.fetcher.params_in_forward_order if overlap else None,
             )
             if client_optimizer is not None
             else None
         )
+        if overlap:
+            self.fetcher.shard_fence = self.optimizer.background.wait_for
+            self.reducer.sink.fence = self.optimizer.background.wait
         self.lr_scheduler = self._resolve_scheduler(lr_scheduler)
         register_engine(self)
         self._destroyed = False
@@ -241,6 +248,30 @@ class Engine:
             "that element's own state only, set \"zero_allow_untested_optimizer\": true"
         )
 
+    def _overlaps_host_step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether the CPU optimizer update runs behind the next forward (host_step.py):
+        it needs the masters and the parameter shards on the CPU, and a torch optimizer
+        (stepped by shadow optimizers of its class, optim.py). "auto" turns it on when the
+        compute device is a GPU (on a CPU it would compete with the forward for the cores)."""
+        zero = self.config.zero
+        setting = zero.offload_optimizer.overlap_step
+        if setting is False:
+            return False
+        problems = []
+        if not (zero.offload_optimizer.enabled and zero.offload_param.enabled):
+            problems.append("it needs offload_optimizer and offload_param both on the CPU (got "
+                            f"offload_optimizer.device={zero.offload_optimizer.device!r}, "
+                            f"offload_param.device={zero.offload_param.device!r})")
+        if type(optimizer) not in ELEMENTWISE_OPTIMIZERS:
+            problems.append(f"it needs one of torch's optimizers ({', '.join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)}), "
+                            f"got {type(optimizer).__module__}.{type(optimizer).__name__}")
+        if setting == "auto":
+            return not problems and self.device.type == "cuda"
+        if problems:
+            raise EngineError("zero_optimization.offload_optimizer.overlap_step is true, but "
+                              + "; ".join(problems) + '; set it to "auto" or false')
+        return True
+
     def _resolve_scheduler(self, lr_scheduler):
         spec = self.config.scheduler
         if lr_scheduler is not None and spec is not None:
@@ -278,6 +309,7 @@ class Engine:
                 + (" without grad" if isinstance(loss, torch.Tensor) else "")
                 + "; did the forward run under torch.no_grad() or eval-only code?"
             )
+        self._settle()  # this backward's gradients overwrite what an update in flight reads
         scaled = loss
         steps = self.config.gradient_accumulation_steps
         if scale_wrt_gas and steps > 1:
@@ -358,6 +390,7 @@ class Engine:
     def _refresh_resident(self) -> None:
         """Resident parameters get their new values from every rank's updated shard."""
         resident = [sp for sp in self.optimizer.params if sp.persistent and sp.numel and not sp.aliased]
+        self.optimizer.background.wait_for(resident)  # their sub-group runs first
         by_dtype: dict[torch.dtype, list[ShardedParam]] = {}
         for sp in resident:
             by_dtype.setdefault(sp.dtype, []).append(sp)
@@ -374,6 +407,7 @@ class Engine:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop accumulated gradients (the optimizer step does this by itself)."""
+        self._settle()
         self.reducer.clear()
         for sp in self.table.values():
             sp.grad_shard = None
@@ -437,6 +471,7 @@ class Engine:
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True,
                         exclude_frozen_parameters: bool = False) -> bool:
         self._check_alive()
+        self._settle()
         return checkpoint_io.save(self, save_dir, tag, client_state or {}, save_latest,
                                   exclude_frozen_parameters)
 
@@ -444,6 +479,7 @@ class Engine:
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False):
         self._check_alive()
+        self._settle()
         return checkpoint_io.load(
             self, load_dir, tag, load_module_strict, load_optimizer_states,
             load_lr_scheduler_states, load_module_only,
@@ -452,6 +488,7 @@ class Engine:
     def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.safetensors",
                          exclude_frozen_parameters: bool = False) -> bool:
         self._check_alive()
+        self._settle()
         return export.save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
 
     # -------------------------------------------------------------- lifetime
@@ -459,12 +496,19 @@ class Engine:
         """Remove every hook; gather the parameters back so the module is plain again."""
         if self._destroyed:
             return
+        if self.optimizer is not None:
+            self.optimizer.background.close()
         self.fetcher.release_all()
         self.fetcher.gather(self.table.values())
         self.fetcher.remove()
         self.reducer.remove()
         unregister_engine(self)
         self._destroyed = True
+
+    def _settle(self) -> None:
+        """Wait for an optimizer update still running behind the forward, if any."""
+        if self.optimizer is not None:
+            self.optimizer.wait()
 
     def _check_alive(self) -> None:
         if self._destroyed:

@@ -228,7 +228,15 @@ def gather_full(engine: "Engine", sp: "ShardedParam", local: torch.Tensor) -> to
     return rows[: sp.numel].view(sp.shape)
 
 
+def settle(engine: "Engine") -> None:
+    """Wait for an optimizer update still running behind the forward (optim.py): shards,
+    masters and optimizer state are read only after it."""
+    if engine.optimizer is not None:
+        engine.optimizer.wait()
+
+
 def _masters(engine: "Engine") -> dict[int, torch.Tensor]:
+    settle(engine)
     if engine.optimizer is None:
         return {}
     return {id(sp): m for sp, m in zip(engine.optimizer.params, engine.optimizer.masters)}
@@ -302,6 +310,7 @@ def iter_consolidated(engine: "Engine", specs: list[tuple[TensorSpec, str, Any]]
     A collective generator: every rank must run it to the end. Each parameter is gathered
     once and its value reused for its aliases; nothing is kept after it is yielded.
     """
+    settle(engine)
     masters = _masters(engine) if use_master else {}
     rank0 = engine.comm.rank == 0
     last_sp, last_value = None, None
@@ -441,6 +450,7 @@ def held_bytes(engine: "Engine") -> dict[str, int]:
     def nbytes(t: torch.Tensor | None) -> int:
         return 0 if t is None else t.numel() * t.element_size()
 
+    settle(engine)
     shards = sum(nbytes(sp.shard) for sp in engine.table.values())
     resident = sum(  # an aliased parameter's storage is its shard, counted above
         sp.param.untyped_storage().nbytes() for sp in engine.table.values() if sp.persistent and not sp.aliased

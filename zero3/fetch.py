@@ -276,6 +276,9 @@ class Fetcher:
         self.reused_units = 0
         self._side_stream = torch.cuda.Stream(compute_device) if compute_device.type == "cuda" else None
         self._shards_ready: torch.cuda.Event | None = None
+        # Called with a group before its shards are read for a gather: an optimizer update
+        # running behind the forward (host_step.py) publishes shards one sub-group at a time.
+        self.shard_fence: Callable[[list[ShardedParam]], None] | None = None
         self._shards_on_host = self._side_stream is not None and any(
             sp.shard.device.type == "cpu" for sp in table.values())
         self._root_unit = next(u for u in units if u.module is root)
@@ -336,6 +339,18 @@ class Fetcher:
         for dtype, group in self._dtype_groups(sp for sp in params if sp.state is ParamState.SHARDED):
             self._gather_group(group, dtype, phase, unit)
 
+    def params_in_forward_order(self) -> list[list[ShardedParam]]:
+        """Each unit's parameters, the units in the order the latest training forward first
+        entered them (units it did not enter follow, in module order)."""
+        order: list[FetchUnit] = []
+        seen: set[int] = set()
+        for backward, index in self.schedule.last_entries(training=True):
+            if not backward and index not in seen:
+                seen.add(index)
+                order.append(self.units[index])
+        order += [unit for unit in self.units if unit.index not in seen]
+        return [unit.fetch_list() for unit in order]
+
     @staticmethod
     def _dtype_groups(params: Iterable[ShardedParam]) -> list[tuple[torch.dtype, list[ShardedParam]]]:
         by_dtype: dict[torch.dtype, list[ShardedParam]] = {}
@@ -395,6 +410,8 @@ class Fetcher:
         head = HEADER_BYTES if header is not None else 0
         if group is not None:
             nbytes = sum(sp.shard_numel for sp in group) * dtype.itemsize
+            if self.shard_fence is not None:
+                self.shard_fence(group)
         send = torch.empty(head + nbytes, dtype=torch.uint8, device=self.compute_device)
         if header is not None:
             send[:head].view(torch.int64).copy_(torch.tensor(header, dtype=torch.int64))

@@ -26,6 +26,10 @@ Invariant: after `finish()` every `grad_shard` holds its complete value and no c
 in flight. Until then a `grad_shard` may still be being written: nothing but `finish()`
 reads it.
 
+Fence: `fence` (when set) is called before a slice is written: an optimizer update still
+running behind the forward (host_step.py) reads the host buffer, which the next
+backward's slices overwrite.
+
 Memory ownership: the slices passed in belong to the caller; a slice read by the copy
 stream is marked used by that stream (`record_stream`), so the caching allocator does not
 reuse it before the copy is done.
@@ -34,6 +38,7 @@ reuse it before the copy is done.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 import torch
 
@@ -53,11 +58,14 @@ class GradSink:
         self._copies_done: torch.cuda.Event | None = None
         self._staged: deque[tuple[torch.cuda.Event, torch.Tensor, torch.Tensor]] = deque()
         self._staged_bytes = 0
+        self.fence: Callable[[], None] | None = None
 
     # ----------------------------------------------------------------- entry
     def deliver(self, sp: ShardedParam, piece: torch.Tensor) -> None:
         """Add `piece` (this rank's slice of the averaged gradient, at most shard_numel
         elements, any floating dtype) into `sp.grad_shard`."""
+        if self.fence is not None:
+            self.fence()
         if self.grad_device.type == "cpu" and piece.device.type == "cuda":
             self._deliver_to_host(sp, piece)
             return

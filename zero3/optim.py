@@ -9,19 +9,34 @@ its per-parameter state (exp_avg, ...) is therefore shard-sized.
 
 Step, at the gradient-accumulation boundary:
   grads (ShardedParam.grad_shard) -> master.grad; optional global-norm clipping;
-  optimizer.step(); master -> compute shard; resident parameters re-gathered;
-  grads dropped.
+  the update, sub-group by sub-group (DeepSpeed's `sub_group_size`: at most that many
+  elements, whole parameters, per optimizer call); master -> compute shard per sub-group;
+  resident parameters re-gathered; grads dropped.
+
+Overlapped host step (host_step.py): with the masters and the parameter shards both on
+the CPU, the update may run on a worker thread behind the next forward. Sub-groups then
+also end at fetch-unit ends, in the order the units were entered in the last forward
+(resident parameters first, since the step's own re-gather reads them), and each one is
+stepped by a *shadow* optimizer: a torch optimizer of the client's class over that
+sub-group's masters, sharing the client's `state` dict, with the client's hyper-
+parameters copied in when the step starts (so an lr scheduler stepping right after
+`step()` returns cannot race with the update).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
 from .comm import Communicator
+from .host_step import BackgroundStep
 from .partition import ShardedParam
+
+# Orders the fetch units were last entered in, each unit's parameters (fetch.py).
+UnitOrder = Callable[[], list[list[ShardedParam]]]
 
 
 class OptimizerSetupError(ValueError):
@@ -40,7 +55,11 @@ class ShardedOptimizer:
         gradient_clipping: float,
         check_overflow: bool = False,
         pin_memory: bool = False,
+        sub_group_numel: int = 0,
+        unit_order: UnitOrder | None = None,
     ) -> None:
+        """`sub_group_numel`: elements per optimizer call (0: all at once). `unit_order`:
+        given only when the update is to run behind the next forward (see the module doc)."""
         self.optimizer = optimizer
         self.comm = comm
         self.master_device = master_device
@@ -50,7 +69,13 @@ class ShardedOptimizer:
         self.params: list[ShardedParam] = []
         self.masters: list[torch.Tensor] = []
         self._last_norm: torch.Tensor | float | None = None
+        self.sub_group_numel = max(int(sub_group_numel), 0)
+        self.unit_order = unit_order
+        self.background = BackgroundStep()
+        self._shadows: dict[tuple[int, ...], torch.optim.Optimizer] = {}
         self._remap_param_groups(table)
+        self._client_group_of = [
+            index for index, group in enumerate(self.optimizer.param_groups) for _ in group["params"]]
 
     # ------------------------------------------------------------------ setup
     def _master_for(self, sp: ShardedParam) -> torch.Tensor:
@@ -150,8 +175,10 @@ class ShardedOptimizer:
         `grad_divisor` undoes fp16 loss scaling before the norm, clipping and update.
 
         Returns False (and changes nothing but the gradients, which are dropped) when
-        overflow checking is on and the global gradient norm is inf or nan.
+        overflow checking is on and the global gradient norm is inf or nan. With an
+        overlapped host step the update may still be running when this returns.
         """
+        self.background.wait()
         for sp, master in zip(self.params, self.masters):
             # A trainable parameter unused in this window gets a zero gradient (as DeepSpeed).
             master.grad = sp.grad_shard if sp.grad_shard is not None else torch.zeros_like(master)
@@ -162,17 +189,141 @@ class ShardedOptimizer:
         if self.check_overflow and not math.isfinite(self.last_grad_norm):
             self.zero_grad()
             return False
+        grad_scale = None
         if self.gradient_clipping > 0:
-            self._clip(squared)
-        self.optimizer.step()
-        self._write_back_shards()
+            if self._fused_kernels_unscale():
+                grad_scale = self._clip_divisor(squared)
+            else:
+                self._clip(squared)
+        groups = self.sub_groups()
+        if self.unit_order is not None:
+            self._start_background(groups, grad_scale)
+            self._drop_shard_grads()  # the masters' .grad go with their sub-group, on the worker
+            return True
+        self.optimizer.grad_scale = grad_scale
+        try:
+            if len(groups) == 1:
+                self.optimizer.step()
+                self._write_back_shards(groups[0])
+            else:
+                self._step_in_sub_groups(groups)
+        finally:
+            self.optimizer.grad_scale = None
         self.zero_grad()
         return True
 
-    def _write_back_shards(self) -> None:
+    def _fused_kernels_unscale(self) -> bool:
+        """True when every group runs torch's fused Adam / AdamW / SGD kernel, which divides
+        the gradients by the optimizer's `grad_scale` tensor as it reads them (the hook
+        GradScaler uses): clipping then costs no pass of its own over the gradients."""
+        return isinstance(self.optimizer, (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)) and all(
+            group.get("fused") for group in self.optimizer.param_groups)
+
+    def _clip_divisor(self, squared_norm: torch.Tensor) -> torch.Tensor:
+        """1 / min(1, clip / (norm + 1e-6)): what the gradients are divided by (one fp32
+        element on the masters' device; no host sync on the GPU)."""
+        coefficient = (self.gradient_clipping / (squared_norm.sqrt() + 1e-6)).clamp(max=1.0)
+        return (1.0 / coefficient).to(self.master_device, torch.float32).reshape(())
+
+    # ------------------------------------------------------------- sub-groups
+    def sub_groups(self) -> list[list[int]]:
+        """Indices into `params`, one list per optimizer call, in the order they run."""
+        if self.unit_order is None:
+            return self._split(list(range(len(self.params))))
+        position = {id(sp): i for i, sp in enumerate(self.params)}
+        resident = [i for i, sp in enumerate(self.params) if sp.persistent]
+        taken = set(resident)
+        groups = [resident] if resident else []
+        for unit_params in self.unit_order():
+            members = []
+            for sp in unit_params:
+                i = position.get(id(sp))
+                if i is not None and i not in taken:
+                    taken.add(i)
+                    members.append(i)
+            groups.extend(self._split(members))
+        groups.extend(self._split([i for i in range(len(self.params)) if i not in taken]))
+        return groups
+
+    def _split(self, indices: list[int]) -> list[list[int]]:
+        """Consecutive runs of at most `sub_group_numel` elements (whole parameters)."""
+        if not indices:
+            return []
+        if not self.sub_group_numel:
+            return [indices]
+        groups: list[list[int]] = [[]]
+        numel = 0
+        for i in indices:
+            size = self.masters[i].numel()
+            if groups[-1] and numel + size > self.sub_group_numel:
+                groups.append([])
+                numel = 0
+            groups[-1].append(i)
+            numel += size
+        return groups
+
+    def _step_in_sub_groups(self, groups: list[list[int]]) -> None:
+        """The client optimizer over one sub-group at a time: only that group's masters
+        hold a gradient during its call, so the others are skipped (torch optimizers skip
+        parameters whose .grad is None)."""
+        grads = [m.grad for m in self.masters]
+        for master in self.masters:
+            master.grad = None
+        for group in groups:
+            for i in group:
+                self.masters[i].grad = grads[i]
+            self.optimizer.step()
+            self._write_back_shards(group)
+            for i in group:
+                self.masters[i].grad = None
+
+    def _start_background(self, groups: list[list[int]], grad_scale: torch.Tensor | None) -> None:
+        """Hand the update to the worker, one shadow optimizer per sub-group, with the
+        client's hyper-parameters as they are now."""
+        shadows = [self._shadow(tuple(group)) for group in groups]
+        for shadow in shadows:
+            shadow.state = self.optimizer.state  # rebound each step: load_state_dict replaces it
+            shadow.grad_scale = grad_scale
+            for shadow_group in shadow.param_groups:
+                client_group = self.optimizer.param_groups[shadow_group["client_group"]]
+                shadow_group.update({k: v for k, v in client_group.items() if k != "params"})
+
+        def run(index: int) -> None:
+            shadows[index].step()
+            self._write_back_shards(groups[index])
+            for i in groups[index]:
+                self.masters[i].grad = None
+
+        self.background.start([[self.params[i] for i in group] for group in groups], run)
+        # lr schedulers warn when the optimizer they wrap was never stepped.
+        self.optimizer._opt_called = True  # type: ignore[attr-defined]
+
+    def _shadow(self, group: tuple[int, ...]) -> torch.optim.Optimizer:
+        """A torch optimizer of the client's class over the masters of `group` (cached)."""
+        shadow = self._shadows.get(group)
+        if shadow is None:
+            by_client_group: dict[int, list[torch.Tensor]] = {}
+            for i in group:
+                by_client_group.setdefault(self._client_group_of[i], []).append(self.masters[i])
+            param_groups = [
+                {**{k: v for k, v in self.optimizer.param_groups[c].items() if k != "params"},
+                 "params": masters, "client_group": c}
+                for c, masters in by_client_group.items()
+            ]
+            shadow = type(self.optimizer)(param_groups)
+            self._shadows[group] = shadow
+        return shadow
+
+    def wait(self) -> None:
+        """Until the update in flight (if any) is complete: call before reading or writing
+        masters, optimizer state or parameter shards outside the fetch path."""
+        self.background.wait()
+
+    def _write_back_shards(self, group: list[int]) -> None:
         """master -> compute shard (a cast), one fused copy per device pair."""
         pairs: dict[tuple[torch.device, torch.device], tuple[list, list]] = {}
-        for sp, master in zip(self.params, self.masters):
+        for i in group:
+            sp, master = self.params[i], self.masters[i]
             if master is not sp.shard:
                 shards, sources = pairs.setdefault((sp.shard.device, master.device), ([], []))
                 shards.append(sp.shard)
@@ -185,14 +336,20 @@ class ShardedOptimizer:
                     for shard, source in zip(shards, sources):
                         shard.copy_(source)
 
-    def zero_grad(self) -> None:
-        for sp, master in zip(self.params, self.masters):
+    def _drop_shard_grads(self) -> None:
+        for sp in self.params:
             sp.grad_shard = None
             sp.grad_sq_norm = None
+
+    def zero_grad(self) -> None:
+        self._drop_shard_grads()
+        for master in self.masters:
             master.grad = None
 
     def master_of(self, sp: ShardedParam) -> torch.Tensor | None:
-        """The fp32 master of `sp`, or None for a parameter the optimizer does not step."""
+        """The fp32 master of `sp`, or None for a parameter the optimizer does not step
+        (after the update in flight, if any)."""
+        self.wait()
         return self._master_by_param.get(id(sp))
 
 

@@ -15,7 +15,7 @@ gradient's own device, views of one persistent pinned buffer on the host) and dr
 Collective order: buckets fill in autograd's execution order, which is the same on every
 rank for the same graph, so every rank issues the same reduce-scatters in the same order.
 
-Overlap: a full bucket's reduce-scatter is asynchronous (on CUDA it runs on the process
+Overlap (unless overlap_comm is false): a full bucket's reduce-scatter is asynchronous (on CUDA it runs on the process
 group's own stream): backward goes on computing while it runs. The staging buffer lives
 until the collective is drained (`Communicator.drain`, before the next collective or at
 `flush`), when the rank's slice is added into `grad_shard`. `flush()` waits for all of
@@ -43,8 +43,12 @@ class GradReducer:
         grad_device: torch.device,
         prescale: bool = False,
         predivide_factor: float = 1.0,
+        overlap: bool = True,
     ) -> None:
+        """`overlap` (DeepSpeed's overlap_comm): False waits for each bucket's
+        reduce-scatter before backward goes on (less memory in flight, no overlap)."""
         self.comm = comm
+        self.overlap = overlap
         self.prescale = prescale
         self.predivide_factor = float(predivide_factor)
         self.bucket_numel = max(int(bucket_numel), 1)
@@ -171,6 +175,8 @@ class GradReducer:
         del group  # the full gradients are in `staging` now: free them before the collective ends
         self.comm.reduce_scatter_sum_async(
             reduced, staging.view(-1), lambda: self._accumulate_reduced(params, reduced, staging))
+        if not self.overlap:
+            self.comm.drain()
 
     def _accumulate_reduced(self, params: list[ShardedParam], reduced: torch.Tensor,
                             staging: torch.Tensor) -> None:

@@ -82,6 +82,13 @@ class Schedule:
         start = len(self._entries)
         return iter(self._plan[start:start + limit])
 
+    def last_entries(self, training: bool = True) -> list[Entry]:
+        """The entries of the latest step of this kind: the running one if it is of this
+        kind and has entries, else the recorded one."""
+        if self._kind == training and self._entries:
+            return list(self._entries)
+        return list(self._recorded.get(training, []))
+
     @property
     def position(self) -> int:
         return len(self._entries)
