@@ -694,13 +694,14 @@ _ZERO_RULES: dict[str, _Rule] = {
         "deprecated DeepSpeed alias of stage3_gather_16bit_weights_on_model_save"),
     "reduce_bucket_size": _Map("reduce_bucket_size", _int(1), "elements per reduce-scatter bucket (> 0)"),
     "overlap_comm": _Map("overlap_comm", _overlap_comm,
-                         "overlap gathers and reductions with compute (null: true)"),
+                         "overlap each gradient bucket's reduce-scatter with the rest of backward (null: true); "
+                         "false waits for each one"),
     "offload_param": _Map("offload_param", _offload(_OFFLOAD_PARAM_RULES), "parameter shards in CPU memory"),
     "offload_optimizer": _Map("offload_optimizer", _offload(_OFFLOAD_OPTIMIZER_RULES),
                               "fp32 master shards and optimizer state in CPU memory, step on CPU"),
     "sub_group_size": _Map("sub_group_size", _int(0),
                            "the optimizer step runs over the shards in groups of at most this many "
-                           "elements (whole parameters; bounds step and offload copy buffers)"),
+                           "elements (whole parameters, one optimizer call each)"),
     "leaf_module": _Map("leaf_module", _leaf_module,
                         "modules gathered and released as one unit (classes / names / name_suffixes)"),
     "override_module_apply": _Map("override_module_apply", _bool,

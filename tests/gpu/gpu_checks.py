@@ -172,6 +172,25 @@ def check_offload_device_bytes() -> None:
           f"state {state_on_gpu} elements; losses vs no offload: max relative difference {worst:.2e}")
 
 
+def check_overlapped_host_step() -> None:
+    """Both offloads, clipping on: the CPU update run behind the next forward gives the
+    synchronous step's losses and weights bit for bit."""
+    def run(overlap: bool):
+        extra = {"bf16": {"enabled": True}, "gradient_clipping": 1.0,
+                 "zero_optimization": {"offload_param": {"device": "cpu", "pin_memory": True},
+                                       "offload_optimizer": {"device": "cpu", "pin_memory": True,
+                                                             "overlap_step": overlap}}}
+        engines: list = []
+        losses, state = zero3_run(8, 1e-3, extra, engines)
+        return losses, state, engines.pop().optimizer.unit_order is not None
+    sync_losses, sync_state, sync_overlapped = run(False)
+    losses, state, overlapped = run(True)
+    same = losses == sync_losses and all(torch.equal(state[k], sync_state[k]) for k in sync_state)
+    check("overlapped host step is bit-exact", same and overlapped and not sync_overlapped,
+          f"overlap on/off in effect: {overlapped}/{sync_overlapped}; losses equal: {losses == sync_losses}; "
+          f"last loss {losses[-1]:.6f} vs {sync_losses[-1]:.6f}")
+
+
 def check_prefetch_exact() -> None:
     offload = {"bf16": {"enabled": True},
                "zero_optimization": {"offload_param": {"device": "cpu", "pin_memory": True}}}
@@ -252,7 +271,7 @@ def main() -> None:
     torch.cuda.set_device(DEVICE)
     zero3.init_distributed(dist_backend="nccl")
     for fn in (check_parity, check_bf16_offload, check_resume, check_offload_bandwidth,
-               check_offload_device_bytes, check_prefetch_exact, measure_cpu_optimizer):
+               check_offload_device_bytes, check_overlapped_host_step, check_prefetch_exact, measure_cpu_optimizer):
         try:
             fn()
         except Exception as exc:  # noqa: BLE001 - report and go on with the other checks

@@ -40,7 +40,7 @@ def main() -> None:
                       max_position_embeddings=2048, attn_implementation="sdpa")
     config = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True},
               "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "pin_memory": True},
-                                    "offload_optimizer": {"device": "cpu", "pin_memory": True}}}
+                                    "offload_optimizer": {"device": "cpu", "pin_memory": True, "overlap_step": False}}}
     with zero3.Init(config_dict_or_path=config):
         model = Wrapped(LlamaForCausalLM(cfg))
     engine, _, _, _ = zero3.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4),
@@ -64,7 +64,7 @@ def main() -> None:
         t4 = time.perf_counter()
         opt.optimizer.step()
         t5 = time.perf_counter()
-        opt._write_back_shards()
+        opt._write_back_shards(list(range(len(opt.params))))
         t6 = time.perf_counter()
         opt.zero_grad()
         engine.micro_steps += 1
