@@ -572,6 +572,7 @@ def main(argv=None):
               f"tokens/step {B * args.seq * ctx.world}, "
               + ", ".join(f"{k} {v}" for k, v in versions.items()), flush=True)
 
+    rates = measure_device_rates() if args.device == "cuda" else None
     load0 = os.getloadavg()
     results = {p: {"times": [], "round_medians": [], "init": [], "peak": [], "seen": [], "own": [],
                    "losses": None, "error": None, "note": ""} for p in peers}
@@ -611,8 +612,68 @@ def main(argv=None):
 
     if rank0:
         report(ctx, peers, results, n_params, backend, versions, (load0, os.getloadavg()))
+        if rates is not None:
+            report_device_use(ctx, results, n_params, rates)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def measure_device_rates() -> dict[str, float]:
+    """The GPU's dense bf16 matmul rate (FLOP/s) and pinned host<->device copy rates
+    (bytes/s), measured here in this run: what MFU and transfer times are quoted against."""
+    import torch
+
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(20):
+        a @ b
+    torch.cuda.synchronize()
+    matmul = 20 * 2 * n**3 / (time.perf_counter() - t0)
+    host = torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True)
+    device = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    rates = {"matmul_flops": matmul}
+    for name, dst, src in (("h2d_bytes", device, host), ("d2h_bytes", host, device)):
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(4):
+            dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        rates[name] = 4 * src.numel() / (time.perf_counter() - t0)
+    del a, b, host, device
+    torch.cuda.empty_cache()
+    return rates
+
+
+def report_device_use(ctx, results, n_params, rates) -> None:
+    """MFU (6 x parameters x tokens per step, attention not counted) against the measured
+    matmul rate; with offload_param, zero3's host<->device bytes per step against the
+    measured copy rates."""
+    args = ctx.args
+    tokens = args.micro_batch * args.seq * ctx.world
+    print()
+    print(f"Measured in this run: bf16 matmul {rates['matmul_flops'] / 1e12:.0f} TFLOP/s (8192^3), pinned "
+          f"copies host->device {rates['h2d_bytes'] / 1e9:.1f} GB/s, device->host {rates['d2h_bytes'] / 1e9:.1f} GB/s")
+    for p, r in results.items():
+        if r["times"]:
+            flops = 6 * n_params * tokens / statistics.median(r["times"])
+            print(f"  MFU {p:10s} {flops / 1e12:6.1f} TFLOP/s = {100 * flops / rates['matmul_flops']:.1f}% "
+                  "of the measured matmul rate")
+    extra = json.loads(args.config_extra) if args.config_extra else {}
+    zero = extra.get("zero_optimization", {})
+    if zero.get("offload_param", {}).get("device") == "cpu" and results.get("zero3", {}).get("times"):
+        up = 2 * 2 * n_params  # 16-bit shards to the GPU in forward and again in backward
+        down = 4 * n_params if zero.get("offload_optimizer", {}).get("device") == "cpu" else 0  # fp32 gradients
+        floor = up / rates["h2d_bytes"] + down / rates["d2h_bytes"]
+        step = statistics.median(results["zero3"]["times"])
+        print(f"  zero3 host<->device per step: {up / 1e9:.1f} GB up + {down / 1e9:.1f} GB down = "
+              f"{1e3 * floor:.0f} ms at the measured copy rates (one direction at a time), "
+              f"{100 * floor / step:.0f}% of its {1e3 * step:.0f} ms step")
 
 
 def _per_step(stats_list, steps):

@@ -79,6 +79,42 @@ class GradSink:
         else:
             sp.grad_shard[: piece.numel()].add_(piece)
 
+    def deliver_many(self, pairs: list[tuple[ShardedParam, torch.Tensor]]) -> None:
+        """`deliver` for many slices at once. On the slices' own device this is two fused
+        kernels in all, whatever the number of parameters: the first slices of the window
+        are cast into views of one fresh fp32 buffer (`_foreach_copy_`), later ones added
+        (`_foreach_add_`). The buffer lives as long as any of its views."""
+        if not pairs:
+            return
+        device = pairs[0][1].device
+        same_device = device == self.grad_device and all(piece.device == device for _, piece in pairs)
+        repeated = len({id(sp) for sp, _ in pairs}) < len(pairs)  # one parameter's gradient twice
+        if not same_device or repeated:
+            for sp, piece in pairs:
+                self.deliver(sp, piece)
+            return
+        if self.fence is not None:
+            self.fence()
+        first = [(sp, piece) for sp, piece in pairs if sp.grad_shard is None]
+        later = [(sp, piece) for sp, piece in pairs if sp.grad_shard is not None]
+        if first:
+            flat = torch.empty(sum(sp.shard_numel for sp, _ in first), dtype=torch.float32, device=device)
+            views, heads = [], []
+            offset = 0
+            for sp, piece in first:
+                shard = flat[offset:offset + sp.shard_numel]
+                if piece.numel() < sp.shard_numel:
+                    shard[piece.numel():].zero_()  # padding of the last rank's shard
+                views.append(shard)
+                heads.append(shard[: piece.numel()])
+                offset += sp.shard_numel
+            torch._foreach_copy_(heads, [piece for _, piece in first])
+            for (sp, _), shard in zip(first, views):
+                sp.grad_shard = shard
+        if later:
+            torch._foreach_add_([sp.grad_shard[: piece.numel()] for sp, piece in later],
+                                [piece for _, piece in later])
+
     def finish(self) -> None:
         """Wait for the copies in flight and add what is staged: gradients complete."""
         if self._copies_done is not None:

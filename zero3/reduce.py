@@ -69,8 +69,7 @@ class GradReducer:
     def _accumulate_unsharded(self, group: list[tuple[ShardedParam, torch.Tensor]]) -> None:
         """World size 1: the shard is the whole gradient (shard_numel == numel); no
         staging, nothing but the fp32 accumulation itself."""
-        for sp, grad in group:
-            self.sink.deliver(sp, grad.reshape(-1))
+        self.sink.deliver_many([(sp, grad.reshape(-1)) for sp, grad in group])
 
     def _pre_scale(self, staging: torch.Tensor) -> None:
         """DeepSpeed's prescale_gradients / gradient_predivide_factor: divide before the
@@ -186,7 +185,8 @@ class GradReducer:
         """
         del staging
         self._post_scale(reduced)
-        offset = 0
+        pieces, offset = [], 0
         for sp in params:
-            self.sink.deliver(sp, reduced[offset:offset + sp.shard_numel])
+            pieces.append((sp, reduced[offset:offset + sp.shard_numel]))
             offset += sp.shard_numel
+        self.sink.deliver_many(pieces)
