@@ -60,17 +60,19 @@ def main() -> None:
         for sp, master in zip(opt.params, opt.masters):
             master.grad = sp.grad_shard
         t3 = time.perf_counter()
-        opt.global_grad_norm()
+        squared = opt.global_grad_norm_squared()
+        opt.optimizer.grad_scale = opt._clip_divisor(squared)  # clipping to 1.0, inside the kernel
         t4 = time.perf_counter()
         opt.optimizer.step()
+        opt.optimizer.grad_scale = None
         t5 = time.perf_counter()
         opt._write_back_shards(list(range(len(opt.params))))
         t6 = time.perf_counter()
         opt.zero_grad()
         engine.micro_steps += 1
         engine.global_steps += 1
-        print(f"step {step}: {numel / 1e9:.2f}B params; forward {1e3 * (t1 - t0):.0f} ms, backward "
-              f"{1e3 * (t2 - t1):.0f} ms, grad norm {1e3 * (t4 - t3):.0f} ms, adamw {1e3 * (t5 - t4):.0f} ms, "
+        print(f"step {step}: {numel / 1e9:.2f}B params, {torch.get_num_threads()} threads; forward {1e3 * (t1 - t0):.0f} ms, backward "
+              f"{1e3 * (t2 - t1):.0f} ms, grad norm {1e3 * (t4 - t3):.0f} ms, clipped adamw {1e3 * (t5 - t4):.0f} ms, "
               f"write-back {1e3 * (t6 - t5):.0f} ms; loss {loss.item():.4f}", flush=True)
 
 
