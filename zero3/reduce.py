@@ -132,8 +132,13 @@ class GradReducer:
             return
         self.pending.append((sp, grad))
         self.pending_numel += sp.padded_numel
-        if self.pending_numel >= self.bucket_numel:
+        if self.pending_numel >= self.bucket_numel or self._to_host_unreduced(grad):
             self._reduce_pending()
+
+    def _to_host_unreduced(self, grad: torch.Tensor) -> bool:
+        """World size 1 with host gradient shards: there is no collective to batch, so each
+        gradient starts its copy to the host at once, behind the rest of backward."""
+        return not self.comm.active and self.grad_device.type == "cpu" and grad.device.type != "cpu"
 
     def flush(self) -> None:
         """Reduce every pending gradient and wait: afterwards each `grad_shard` is complete."""
