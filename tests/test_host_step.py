@@ -169,3 +169,40 @@ def test_overlap_step_errors():
     assert "ConfigError" in bad_value and "overlap_step" in bad_value and "sometimes" in bad_value, bad_value
     [auto_on_cpu] = run_ranks(bad_overlap_setting, 1, {"offload_param": {"device": "cpu"}}, {})
     assert auto_on_cpu == "no error"
+
+
+def fp16_overflow_run(rank: int, world: int, overlap: bool):
+    import zero3
+
+    model = make_model()
+    config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": 1.0,
+              "fp16": {"enabled": True, "initial_scale_power": 8, "hysteresis": 1},
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 30,
+                                    "offload_param": {"device": "cpu"},
+                                    "offload_optimizer": {"device": "cpu", "overlap_step": overlap}}}
+    engine, *_ = zero3.initialize(model=model, optimizer=torch.optim.AdamW(two_param_groups(model)), config=config)
+    batches = make_batches(6 * world, MICRO)
+    losses, scales, skipped = [], [], []
+    for step in range(6):
+        x, y = batches[step * world + rank]
+        loss = engine(x.half(), y.half())
+        if step == 3 and rank == world - 1:
+            loss = loss * float("inf")  # one rank overflows: every rank skips that step
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.float().item())
+        scales.append(engine.loss_scale)
+        skipped.append(engine.skipped_steps)
+    return losses, scales, skipped, masters(engine)
+
+
+def test_overlapped_host_step_under_fp16_overflow():
+    """fp16 loss scaling with the update behind the forward: the overflowing step is
+    skipped on every rank and the run matches the synchronous one bit for bit."""
+    sync = run_ranks(fp16_overflow_run, 2, False)
+    overlapped = run_ranks(fp16_overflow_run, 2, True)
+    for (losses, scales, skipped, final), (losses_o, scales_o, skipped_o, final_o) in zip(sync, overlapped):
+        assert skipped == skipped_o == [0, 0, 0, 1, 1, 1]
+        assert scales == scales_o and losses[:3] == losses_o[:3] and losses[4:] == losses_o[4:]
+        for key, value in final.items():
+            assert torch.equal(final_o[key], value), key

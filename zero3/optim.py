@@ -35,6 +35,8 @@ from .comm import Communicator
 from .host_step import BackgroundStep
 from .partition import ShardedParam
 
+MAX_CACHED_SHADOWS = 4096  # shadow optimizers hold references only, no tensors of their own
+
 # Orders the fetch units were last entered in, each unit's parameters (fetch.py).
 UnitOrder = Callable[[], list[list[ShardedParam]]]
 
@@ -302,6 +304,8 @@ class ShardedOptimizer:
         """A torch optimizer of the client's class over the masters of `group` (cached)."""
         shadow = self._shadows.get(group)
         if shadow is None:
+            if len(self._shadows) >= MAX_CACHED_SHADOWS:  # the unit order keeps changing
+                self._shadows.clear()
             by_client_group: dict[int, list[torch.Tensor]] = {}
             for i in group:
                 by_client_group.setdefault(self._client_group_of[i], []).append(self.masters[i])
