@@ -29,7 +29,7 @@ The registration is remembered: the unit's pre-backward and later forwards gathe
 externals with it. Nothing here ever asserts on an order: the order of units is only a
 hint.
 
-Structure: `TrackedParameters.__setitem__` and `TrackedModules` (each module's
+Structure: `TrackedParameters.__setitem__` and `TrackedAssignments` (each module's
 `_modules`) note any parameter or module assigned after initialize; the next root forward
 then checks that every parameter of the model is managed, and raises
 `UnmanagedParameterError` naming the module otherwise. No cost until something changes.
@@ -94,8 +94,9 @@ class TrackedParameters(dict):
         return dict(self.items())
 
 
-class TrackedModules(dict):
-    """A module's `_modules`: reports a child module assigned after initialize."""
+class TrackedAssignments(dict):
+    """A module's `_modules` (or, when nothing is ever gathered, its `_parameters`):
+    reports an entry assigned after initialize; reads are plain dict reads."""
 
     def __init__(self, original: dict, on_change: Callable[[], None]) -> None:
         super().__init__(original)
@@ -308,8 +309,11 @@ class Fetcher:
     def _wrap(self, module: nn.Module) -> None:
         if id(module) in self._wrapped:
             return
-        module._parameters = TrackedParameters(module._parameters, self.on_access, self._note_change)
-        module._modules = TrackedModules(module._modules, self._note_change)
+        if self.all_resident:  # no access needs noticing: parameter reads stay plain dict reads
+            module._parameters = TrackedAssignments(module._parameters, self._note_change)
+        else:
+            module._parameters = TrackedParameters(module._parameters, self.on_access, self._note_change)
+        module._modules = TrackedAssignments(module._modules, self._note_change)
         self._wrapped[id(module)] = module
 
     def remove(self) -> None:
@@ -318,9 +322,9 @@ class Fetcher:
             handle.remove()
         self._handles.clear()
         for module in self._wrapped.values():
-            if isinstance(module._parameters, TrackedParameters):
+            if isinstance(module._parameters, (TrackedParameters, TrackedAssignments)):
                 module._parameters = module._parameters.untracked()
-            if isinstance(module._modules, TrackedModules):
+            if isinstance(module._modules, TrackedAssignments):
                 module._modules = module._modules.untracked()
         self._wrapped.clear()
 

@@ -188,7 +188,8 @@ class ShardedOptimizer:
             torch._foreach_div_([m.grad for m in self.masters], grad_divisor)
         squared = self.global_grad_norm_squared(grad_divisor)
         self._last_norm = squared
-        if self.check_overflow and not math.isfinite(self.last_grad_norm):
+        skip_in_kernel = self._skips_in_kernel(squared)
+        if self.check_overflow and not skip_in_kernel and not math.isfinite(self.last_grad_norm):
             self.zero_grad()
             return False
         grad_scale = None
@@ -203,6 +204,7 @@ class ShardedOptimizer:
             self._drop_shard_grads()  # the masters' .grad go with their sub-group, on the worker
             return True
         self.optimizer.grad_scale = grad_scale
+        self.optimizer.found_inf = (~torch.isfinite(squared)).float().reshape(()) if skip_in_kernel else None
         try:
             if len(groups) == 1:
                 self.optimizer.step()
@@ -211,8 +213,20 @@ class ShardedOptimizer:
                 self._step_in_sub_groups(groups)
         finally:
             self.optimizer.grad_scale = None
+            self.optimizer.found_inf = None
         self.zero_grad()
-        return True
+        # With the skip decided in the kernel, the host learns of it only now, while the
+        # device runs the update it queued: masters and state are unchanged on overflow.
+        return not (skip_in_kernel and not math.isfinite(self.last_grad_norm))
+
+    def _skips_in_kernel(self, squared_norm: torch.Tensor) -> bool:
+        """Overflow checking without a host sync before the update: torch's fused Adam and
+        AdamW kernels leave parameters, moments and step counts untouched when their
+        `found_inf` input is 1 (the hook GradScaler uses). On a GPU only: there the sync
+        would leave the device idle while the host prepares the update."""
+        return (self.check_overflow and self.unit_order is None and squared_norm.device.type == "cuda"
+                and isinstance(self.optimizer, (torch.optim.Adam, torch.optim.AdamW))
+                and all(group.get("fused") for group in self.optimizer.param_groups))
 
     def _fused_kernels_unscale(self) -> bool:
         """True when every group runs torch's fused Adam / AdamW / SGD kernel, which divides

@@ -191,6 +191,40 @@ def check_overlapped_host_step() -> None:
           f"last loss {losses[-1]:.6f} vs {sync_losses[-1]:.6f}")
 
 
+def check_overflow_skipped_in_kernel() -> None:
+    """bf16 overflow checking on the GPU decides the skip inside the fused AdamW kernel (no
+    host sync before the update): an inf loss leaves masters and moments untouched and
+    counts one skipped step; training goes on."""
+    cfg = config(MICRO, 1, threshold=30)
+    cfg["bf16"] = {"enabled": True}
+    model = make_model()
+    engine, _, _, _ = zero3.initialize(model=model, optimizer=torch.optim.AdamW(two_param_groups(model, 1e-3)),
+                                       config=cfg)
+    opt = engine.optimizer
+    in_kernel = False
+    before = after = None
+    losses = []
+    for step, (x, y) in enumerate(make_batches(6, MICRO)):
+        loss = engine(x.to(DEVICE, torch.bfloat16), y.to(DEVICE, torch.bfloat16))
+        if step == 3:
+            loss = loss * float("inf")
+            before = [m.clone() for m in opt.masters] + [t.clone() for st in opt.optimizer.state.values()
+                                                         for t in st.values()]
+        engine.backward(loss)
+        if step == 3:
+            in_kernel = opt._skips_in_kernel(torch.zeros(1, device=DEVICE))
+        engine.step()
+        if step == 3:
+            after = [m.clone() for m in opt.masters] + [t.clone() for st in opt.optimizer.state.values()
+                                                        for t in st.values()]
+        losses.append(loss.float().item())
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, after))
+    finite_after = all(math.isfinite(v) for v in losses[4:])
+    check("overflow skipped inside the fused kernel", in_kernel and unchanged and engine.skipped_steps == 1
+          and finite_after, f"in kernel: {in_kernel}; masters and state unchanged by the inf step: {unchanged}; "
+          f"skipped {engine.skipped_steps}; losses after {[round(v, 4) for v in losses[4:]]}")
+
+
 def check_prefetch_exact() -> None:
     offload = {"bf16": {"enabled": True},
                "zero_optimization": {"offload_param": {"device": "cpu", "pin_memory": True}}}
@@ -271,7 +305,8 @@ def main() -> None:
     torch.cuda.set_device(DEVICE)
     zero3.init_distributed(dist_backend="nccl")
     for fn in (check_parity, check_bf16_offload, check_resume, check_offload_bandwidth,
-               check_offload_device_bytes, check_overlapped_host_step, check_prefetch_exact, measure_cpu_optimizer):
+               check_offload_device_bytes, check_overlapped_host_step, check_overflow_skipped_in_kernel,
+               check_prefetch_exact, measure_cpu_optimizer):
         try:
             fn()
         except Exception as exc:  # noqa: BLE001 - report and go on with the other checks
