@@ -177,8 +177,11 @@ class ShardedOptimizer:
         `grad_divisor` undoes fp16 loss scaling before the norm, clipping and update.
 
         Returns False (and changes nothing but the gradients, which are dropped) when
-        overflow checking is on and the global gradient norm is inf or nan. With an
-        overlapped host step the update may still be running when this returns.
+        overflow checking is on and the global gradient norm is inf or nan; when the skip
+        is decided inside the fused kernel (`_skips_in_kernel`), an overflow on the very
+        first step still creates the optimizer state, as zeros at step 0, which is what an
+        untouched state means. With an overlapped host step the update may still be
+        running when this returns.
         """
         self.background.wait()
         for sp, master in zip(self.params, self.masters):
