@@ -305,7 +305,9 @@ class ShardedOptimizer:
             shadow.grad_scale = grad_scale
             for shadow_group in shadow.param_groups:
                 client_group = self.optimizer.param_groups[shadow_group["client_group"]]
-                shadow_group.update({k: v for k, v in client_group.items() if k != "params"})
+                # Tensors copied too: schedulers may update a tensor lr in place.
+                shadow_group.update({k: v.clone() if isinstance(v, torch.Tensor) else v
+                                     for k, v in client_group.items() if k != "params"})
 
         def run(index: int) -> None:
             shadows[index].step()
