@@ -20,3 +20,10 @@ timeout 190 torchrun --standalone --nproc_per_node=1 bench/cpu_bench.py --device
     --model llama --width 3072 --layers 26 --intermediate 8192 --heads 24 --vocab 32000 --seq 2048 \
     --micro-batch 1 --steps 4 --warmup 2 --rounds 1 --peers zero3 --config-extra "$offload" \
     2>&1 | tee "$out/h200_3b_offload.log" | grep -v Warning
+# Diagnostics quoted in bench/README.md (where the 3B step's time goes; the CPU optimizer
+# against host memory traffic): with DIAGNOSTICS=1, after the runs above.
+if [ "${DIAGNOSTICS:-0}" = 1 ]; then
+    timeout 170 torchrun --standalone --nproc_per_node=1 tests/gpu/offload_breakdown.py --layers 26 \
+        2>&1 | grep -E "^step|Error" | tee "$out/breakdown.log"
+    timeout 120 python3 tests/gpu/cpu_adam_probe.py --numel 500e6 2>&1 | tee "$out/probe.log"
+fi
