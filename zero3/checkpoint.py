@@ -83,7 +83,7 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from .export import (TensorSpec, fsync_dir, on_every_rank, parameter_aliases, persistent_buffers,
+from .export import (TensorSpec, fsync_dir, master_map, on_every_rank, parameter_aliases, persistent_buffers,
                      save_consolidated, write_safetensors)
 from .partition import ParamState, ShardedParam
 
@@ -262,13 +262,6 @@ def _check_client_state(client_state: Any) -> None:
         )
 
 
-def _master_map(engine: "Engine") -> dict[int, torch.Tensor]:
-    if engine.optimizer is None:
-        return {}
-    engine.optimizer.wait()
-    return {id(sp): m for sp, m in zip(engine.optimizer.params, engine.optimizer.masters)}
-
-
 def _saved_params(engine: "Engine", exclude_frozen: bool) -> list[ShardedParam]:
     return [sp for sp in engine.table.values() if not (exclude_frozen and not sp.requires_grad)]
 
@@ -279,7 +272,7 @@ def _rank_tensors(engine: "Engine", exclude_frozen: bool) -> tuple[list[TensorSp
     specs: list[TensorSpec] = []
     producers: list[Callable[[], torch.Tensor]] = []
     kinds: dict[str, dict[str, Any]] = {}
-    masters = _master_map(engine)
+    masters = master_map(engine)
 
     def add(name: str, tensor: torch.Tensor) -> None:
         specs.append(TensorSpec(name, tensor.dtype, tuple(tensor.shape)))
@@ -921,7 +914,7 @@ def _optimizer_state_of(engine: "Engine", sp: ShardedParam, reader: ShardReader,
 
 
 def _apply(engine: "Engine", plan: _Plan, load_lr_scheduler_states: bool, load_module_only: bool) -> None:
-    masters = _master_map(engine)
+    masters = master_map(engine)
     groups = {}
     if engine.optimizer is not None:
         groups = {id(p): g for g in engine.optimizer.optimizer.param_groups for p in g["params"]}

@@ -228,15 +228,10 @@ def gather_full(engine: "Engine", sp: "ShardedParam", local: torch.Tensor) -> to
     return rows[: sp.numel].view(sp.shape)
 
 
-def settle(engine: "Engine") -> None:
-    """Wait for an optimizer update still running behind the forward (optim.py): shards,
-    masters and optimizer state are read only after it."""
-    if engine.optimizer is not None:
-        engine.optimizer.wait()
-
-
-def _masters(engine: "Engine") -> dict[int, torch.Tensor]:
-    settle(engine)
+def master_map(engine: "Engine") -> dict[int, torch.Tensor]:
+    """id(ShardedParam) -> its fp32 master, once any update still running behind the
+    forward (host_step.py) is complete: shards, masters and optimizer state are read after it."""
+    engine._settle()
     if engine.optimizer is None:
         return {}
     return {id(sp): m for sp, m in zip(engine.optimizer.params, engine.optimizer.masters)}
@@ -246,7 +241,7 @@ def full_fp32_param(engine: "Engine", param: nn.Parameter) -> torch.Tensor:
     """The whole fp32 master of `param` on every rank (its compute values, upcast, when it
     has no master: a frozen parameter). Collective, as DeepSpeed's safe_get_full_fp32_param."""
     sp = engine.table[param]
-    master = _masters(engine).get(id(sp))
+    master = master_map(engine).get(id(sp))
     local = master if master is not None else sp.shard.float()
     return gather_full(engine, sp, local).cpu()
 
@@ -255,7 +250,7 @@ def full_optimizer_state(engine: "Engine", param: nn.Parameter, key: str) -> tor
     """The whole optimizer state `key` (e.g. "exp_avg") of `param` on every rank; a scalar
     state (e.g. "step") as it is; None if the parameter has no such state. Collective."""
     sp = engine.table[param]
-    master = _masters(engine).get(id(sp))
+    master = master_map(engine).get(id(sp))
     state = engine.optimizer.optimizer.state.get(master, {}) if master is not None else {}
     present = engine.comm.gather_objects(key in state)
     if not any(present):
@@ -277,7 +272,7 @@ def export_specs(engine: "Engine", dtype: torch.dtype | None, exclude_frozen: bo
     Parameters become `dtype` (None: their own; fp32 with `use_master` when a master
     exists). Buffers keep their dtype, as in DeepSpeed's 16-bit state dict.
     """
-    masters = _masters(engine) if use_master else {}
+    masters = master_map(engine) if use_master else {}
     names_of: dict[int, list[str]] = {}
     order: list[tuple[str, str, Any]] = []
     for name, kind, tensor in state_dict_entries(engine.module):
@@ -310,8 +305,8 @@ def iter_consolidated(engine: "Engine", specs: list[tuple[TensorSpec, str, Any]]
     A collective generator: every rank must run it to the end. Each parameter is gathered
     once and its value reused for its aliases; nothing is kept after it is yielded.
     """
-    settle(engine)
-    masters = _masters(engine) if use_master else {}
+    engine._settle()  # the shards are read below, masters or not
+    masters = master_map(engine) if use_master else {}
     rank0 = engine.comm.rank == 0
     last_sp, last_value = None, None
     for spec, kind, source in specs:
@@ -450,7 +445,7 @@ def held_bytes(engine: "Engine") -> dict[str, int]:
     def nbytes(t: torch.Tensor | None) -> int:
         return 0 if t is None else t.numel() * t.element_size()
 
-    settle(engine)
+    engine._settle()
     shards = sum(nbytes(sp.shard) for sp in engine.table.values())
     resident = sum(  # an aliased parameter's storage is its shard, counted above
         sp.param.untyped_storage().nbytes() for sp in engine.table.values() if sp.persistent and not sp.aliased

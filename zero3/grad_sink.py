@@ -64,41 +64,37 @@ class GradSink:
     def deliver(self, sp: ShardedParam, piece: torch.Tensor) -> None:
         """Add `piece` (this rank's slice of the averaged gradient, at most shard_numel
         elements, any floating dtype) into `sp.grad_shard`."""
-        if self.fence is not None:
-            self.fence()
-        if self.grad_device.type == "cpu" and piece.device.type == "cuda":
-            self._deliver_to_host(sp, piece)
-            return
-        piece = piece.to(self.grad_device)
-        if sp.grad_shard is None:
-            shard = torch.empty(sp.shard_numel, dtype=torch.float32, device=self.grad_device)
-            shard[: piece.numel()].copy_(piece)
-            if piece.numel() < sp.shard_numel:
-                shard[piece.numel():].zero_()
-            sp.grad_shard = shard
-        else:
-            sp.grad_shard[: piece.numel()].add_(piece)
+        self.deliver_many([(sp, piece)])
 
     def deliver_many(self, pairs: list[tuple[ShardedParam, torch.Tensor]]) -> None:
-        """`deliver` for many slices at once. On the slices' own device this is two fused
-        kernels in all, whatever the number of parameters: the first slices of the window
-        are cast into views of one fresh fp32 buffer (`_foreach_copy_`), later ones added
-        (`_foreach_add_`). The buffer lives as long as any of its views."""
+        """`deliver` for many slices at once. Slices from a GPU to host shards go down one
+        by one (`_deliver_to_host`); the others are written in two fused kernels in all
+        (`_write_local`)."""
         if not pairs:
-            return
-        device = pairs[0][1].device
-        same_device = device == self.grad_device and all(piece.device == device for _, piece in pairs)
-        repeated = len({id(sp) for sp, _ in pairs}) < len(pairs)  # one parameter's gradient twice
-        if not same_device or repeated:
-            for sp, piece in pairs:
-                self.deliver(sp, piece)
             return
         if self.fence is not None:
             self.fence()
+        local = []
+        for sp, piece in pairs:
+            if self.grad_device.type == "cpu" and piece.device.type == "cuda":
+                self._deliver_to_host(sp, piece)
+            else:
+                local.append((sp, piece.to(self.grad_device)))
+        if len({id(sp) for sp, _ in local}) < len(local):  # one parameter's gradient twice: in order
+            for pair in local:
+                self._write_local([pair])
+        elif local:
+            self._write_local(local)
+
+    def _write_local(self, pairs: list[tuple[ShardedParam, torch.Tensor]]) -> None:
+        """Slices on the gradient device, each parameter once: the first slices of the
+        window are cast into views of one fresh fp32 buffer (`_foreach_copy_`), later ones
+        added (`_foreach_add_`). The buffer lives as long as any of its views."""
         first = [(sp, piece) for sp, piece in pairs if sp.grad_shard is None]
         later = [(sp, piece) for sp, piece in pairs if sp.grad_shard is not None]
         if first:
-            flat = torch.empty(sum(sp.shard_numel for sp, _ in first), dtype=torch.float32, device=device)
+            flat = torch.empty(sum(sp.shard_numel for sp, _ in first), dtype=torch.float32,
+                               device=self.grad_device)
             views, heads = [], []
             offset = 0
             for sp, piece in first:

@@ -209,11 +209,7 @@ class ShardedOptimizer:
         self.optimizer.grad_scale = grad_scale
         self.optimizer.found_inf = (~torch.isfinite(squared)).float().reshape(()) if skip_in_kernel else None
         try:
-            if len(groups) == 1:
-                self.optimizer.step()
-                self._write_back_shards(groups[0])
-            else:
-                self._step_in_sub_groups(groups)
+            self._step_in_sub_groups(groups)
         finally:
             self.optimizer.grad_scale = None
             self.optimizer.found_inf = None
@@ -228,14 +224,17 @@ class ShardedOptimizer:
         `found_inf` input is 1 (the hook GradScaler uses). On a GPU only: there the sync
         would leave the device idle while the host prepares the update."""
         return (self.check_overflow and self.unit_order is None and squared_norm.device.type == "cuda"
-                and isinstance(self.optimizer, (torch.optim.Adam, torch.optim.AdamW))
-                and all(group.get("fused") for group in self.optimizer.param_groups))
+                and self._runs_fused(torch.optim.Adam, torch.optim.AdamW))
 
     def _fused_kernels_unscale(self) -> bool:
         """True when every group runs torch's fused Adam / AdamW / SGD kernel, which divides
         the gradients by the optimizer's `grad_scale` tensor as it reads them (the hook
         GradScaler uses): clipping then costs no pass of its own over the gradients."""
-        return isinstance(self.optimizer, (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)) and all(
+        return self._runs_fused(torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
+
+    def _runs_fused(self, *classes: type) -> bool:
+        """The client is one of `classes` and every group runs its fused kernel."""
+        return isinstance(self.optimizer, classes) and all(
             group.get("fused") for group in self.optimizer.param_groups)
 
     def _clip_divisor(self, squared_norm: torch.Tensor) -> torch.Tensor:
@@ -284,7 +283,11 @@ class ShardedOptimizer:
     def _step_in_sub_groups(self, groups: list[list[int]]) -> None:
         """The client optimizer over one sub-group at a time: only that group's masters
         hold a gradient during its call, so the others are skipped (torch optimizers skip
-        parameters whose .grad is None)."""
+        parameters whose .grad is None). One sub-group: one plain call."""
+        if len(groups) == 1:
+            self.optimizer.step()
+            self._write_back_shards(groups[0])
+            return
         grads = [m.grad for m in self.masters]
         for master in self.masters:
             master.grad = None
