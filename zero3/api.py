@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .accelerator import get_accelerator
+from .accelerator import get_accelerator, local_rank
 from .config import from_deepspeed
 from .engine import Engine
 
@@ -26,7 +26,10 @@ def init_distributed(dist_backend: str | None = None, timeout: datetime.timedelt
     """
     if dist.is_initialized():
         return
-    backend = dist_backend or get_accelerator().communication_backend_name()
+    accelerator = get_accelerator()
+    backend = dist_backend or accelerator.communication_backend_name()
+    if accelerator.device_name() == "cuda" and "LOCAL_RANK" in os.environ:
+        accelerator.set_device(local_rank())  # the device by LOCAL_RANK, the shard by RANK
     if "RANK" not in os.environ and init_method is None and rank < 0:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29511")
@@ -89,19 +92,23 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     if dist.is_initialized():
         register_exit_teardown()
     world_size = dist.get_world_size() if dist.is_initialized() else 1
+    accelerator = get_accelerator()
+    if accelerator.device_name() == "cuda" and "LOCAL_RANK" in os.environ:
+        accelerator.set_device(local_rank())
     parsed = from_deepspeed(config, world_size=world_size)
     engine = Engine(model, parsed, optimizer=optimizer, model_parameters=model_parameters,
                     lr_scheduler=lr_scheduler)
     dataloader = None
     if training_data is not None:
-        dataloader = _dataloader(training_data, parsed.train_micro_batch_size_per_gpu, collate_fn)
+        dataloader = _dataloader(training_data, parsed.train_micro_batch_size_per_gpu, collate_fn,
+                                 parsed.dataloader_drop_last)
     client_optimizer = engine.optimizer.optimizer if engine.optimizer is not None else None
     return engine, client_optimizer, dataloader, engine.lr_scheduler
 
 
-def _dataloader(dataset, micro_batch: int, collate_fn):
+def _dataloader(dataset, micro_batch: int, collate_fn, drop_last: bool):
     sampler = None
     if dist.is_initialized() and dist.get_world_size() > 1:
         sampler = torch.utils.data.distributed.DistributedSampler(dataset)
     return torch.utils.data.DataLoader(dataset, batch_size=micro_batch, sampler=sampler,
-                                       shuffle=False, collate_fn=collate_fn)
+                                       shuffle=False, collate_fn=collate_fn, drop_last=drop_last)
