@@ -510,8 +510,15 @@ class Engine(EngineSurface, nn.Module):
     # ------------------------------------------------------------ checkpoints
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True,
                         exclude_frozen_parameters: bool = False) -> bool:
+        """Save the training state under `save_dir/<tag>` (a collective). Inside a
+        gradient-accumulation window the gradients accumulated so far are saved too, and
+        a load goes on from the same micro-step."""
+        if save_dir is None or (isinstance(save_dir, str) and not save_dir.strip()):
+            raise ValueError(f"save_checkpoint(save_dir={save_dir!r}): save_dir must name a directory "
+                             "(e.g. \"checkpoints\"); nothing was written")
         self._check_alive()
         self._settle()
+        self.reducer.flush()
         return checkpoint_io.save(self, save_dir, tag, client_state or {}, save_latest,
                                   exclude_frozen_parameters)
 
