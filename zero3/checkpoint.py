@@ -88,6 +88,7 @@ from safetensors import safe_open
 from .export import (TensorSpec, fsync_dir, master_map, on_every_rank, parameter_aliases, persistent_buffers,
                      save_consolidated, write_safetensors)
 from .partition import ParamState, ShardedParam
+from .version import __version__
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -526,8 +527,6 @@ def _agree_on_tag(engine: "Engine", tag: str) -> str:
 
 
 def _zero3_version() -> str:
-    from . import __version__
-
     return __version__
 
 
