@@ -189,8 +189,7 @@ def test_checkpoint_tag_validation_modes(tmp_path):
     assert len(results[0]["Warn"]) == 1 and not results[1]["Warn"]  # rank 0 warns once
     assert not results[0]["Ignore"] and not results[1]["Ignore"]
     assert sorted(os.listdir(tmp_path / "Warn")) == ["latest", "step-r0"]
-    assert not (tmp_path / "Fail").exists() or not os.listdir(tmp_path / "Fail")
-    assert sorted(os.listdir(tmp_path)) == ["Fail", "Ignore", "Warn"] or sorted(os.listdir(tmp_path)) == ["Ignore", "Warn"]
+    assert not (tmp_path / "Fail").exists()  # refused before anything was written
 
 
 def mid_window_resume(rank: int, world: int, folder: str, ga: int, steps: int, save_at: int | None):
