@@ -30,6 +30,7 @@ from .gathered import register_engine, unregister_engine
 from .optim import ShardedOptimizer
 from .optimizers import build_optimizer, build_scheduler
 from .init import claim_init_shard
+from .param_status import mark_managed
 from .partition import ParamState, ShardedParam
 from .precision import LossScaler
 from .timers import StepTimers
@@ -221,6 +222,7 @@ class Engine(EngineSurface, nn.Module):
                 self._gather_resident(sp)  # partitioned by zero3.Init, resident by the config
             if alias:
                 sp.alias_shard()
+            mark_managed(p)
             table[p] = sp
         return table
 

@@ -68,7 +68,25 @@ def engine_as_a_module(rank: int, world: int):
     engine.backward(loss)
     engine.step()
     assert engine.was_step_applied() and engine.get_global_grad_norm() > 0
+    # DeepSpeed's read-only status, and unwrap_model_for_generation
+    from zero3.runtime.zero import unwrap_model_for_generation
+    from zero3.runtime.zero.partition_parameters import ZeroParamStatus
+
+    weight, bias = model.head.weight, model.head.bias  # 120 elements: partitioned; 5: resident
+    assert weight.ds_status is ZeroParamStatus.NOT_AVAILABLE and bias.ds_status is ZeroParamStatus.AVAILABLE
+    assert weight.ds_shape == weight.shape and weight.ds_numel == 120 and isinstance(weight, nn.Parameter)
+    with pytest.raises(AttributeError):
+        weight.ds_status = ZeroParamStatus.AVAILABLE
+    calls = engine.comm_stats()
+    with unwrap_model_for_generation(engine) as unwrapped:
+        assert unwrapped is engine and weight.ds_status is ZeroParamStatus.AVAILABLE
+        gathered = engine.comm_stats()
+        with torch.no_grad():
+            engine(x, y)
+        assert engine.comm_stats() == gathered  # no collective while unwrapped
+    assert gathered != calls and weight.ds_status is ZeroParamStatus.NOT_AVAILABLE
     engine.destroy()
+    assert weight.ds_status is ZeroParamStatus.AVAILABLE  # whole again
     return True
 
 
