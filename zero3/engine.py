@@ -12,8 +12,9 @@ true on the micro-step whose step() runs the optimizer.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -399,6 +400,9 @@ class Engine(EngineSurface, nn.Module):
         and `global_samples` (by train_batch_size) advance at each boundary, skipped
         overflow steps included."""
         self._check_alive()
+        if self.reducer.coalescing:
+            raise EngineError("engine.step() inside coalesce_grad_reduction(): call it after the block, "
+                              "whose exit reduces the gradients the step needs")
         self._step_applied = False
         if self.is_gradient_accumulation_boundary():
             if self.optimizer is None:
@@ -479,6 +483,28 @@ class Engine(EngineSurface, nn.Module):
             for sp in group:
                 sp.refresh(rows[:, offset:offset + sp.shard_numel])
                 offset += sp.shard_numel
+
+    @contextlib.contextmanager
+    def coalesce_grad_reduction(self) -> Iterator[None]:
+        """DeepSpeed's one-reduction window: the backwards inside keep their gradients on
+        this rank (summed, whole: more memory) and one reduction runs on exit; step() goes
+        after the block. Results equal reducing after every backward, up to rounding."""
+        self._check_alive()
+        if self.reducer.coalescing:
+            raise EngineError("coalesce_grad_reduction() cannot be nested")
+        self.reducer.begin_coalescing()
+        try:
+            yield
+        finally:
+            self.reducer.end_coalescing()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Refused, as in DeepSpeed at stage 3: gradients are partitioned as they are made."""
+        raise EngineError("no_sync() is incompatible with ZeRO stage 3, whose gradients are reduce-scattered "
+                          "into shards during backward (DeepSpeed refuses it too); use "
+                          "engine.coalesce_grad_reduction() to reduce once for several backwards")
+        yield  # pragma: no cover - a generator for the context manager protocol
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop accumulated gradients (the optimizer step does this by itself)."""

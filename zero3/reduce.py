@@ -63,6 +63,9 @@ class GradReducer:
         # divided by this as they are reduced: the accumulation divisor that
         # engine.backward puts on the loss. engine.backward sets it to 1 while it runs.
         self.backward_divisor = 1.0
+        # engine.coalesce_grad_reduction: every gradient is held (summed) on its rank until
+        # end_coalescing reduces them all at once.
+        self.coalescing = False
         self.table = {sp.param: sp for sp in params}
         self._handles = [
             sp.param.register_post_accumulate_grad_hook(self._on_grad_accumulated)
@@ -116,11 +119,14 @@ class GradReducer:
         """
         self.deferred_ids.update(id(sp) for sp in params)
 
-    def reduce_deferred(self, params: list[ShardedParam]) -> None:
+    def reduce_deferred(self, params: list[ShardedParam], held_only: bool = True) -> None:
         """Reduce a leaf's gradients in the leaf's parameter order, with zeros for the
-        parameters this rank did not use, so every rank issues the same collectives."""
+        parameters this rank did not use, so every rank issues the same collectives.
+        (`held_only=False`: every parameter given, not only the declared leaves'.)"""
+        if self.coalescing:
+            return
         for sp in params:
-            if not sp.requires_grad or id(sp) not in self.deferred_ids:
+            if not sp.requires_grad or (held_only and id(sp) not in self.deferred_ids):
                 continue
             grad = self.deferred.pop(id(sp), None)
             if grad is None:
@@ -134,6 +140,12 @@ class GradReducer:
         grad = param.grad
         param.grad = None
         if grad is None:
+            return
+        if self.coalescing:  # held for end_coalescing, with this backward's divisor applied now
+            if self.backward_divisor != 1.0:
+                grad = grad / self.backward_divisor
+            held = self.deferred.get(id(sp))
+            self.deferred[id(sp)] = grad if held is None else held + grad
             return
         if id(sp) in self.deferred_ids:
             held = self.deferred.get(id(sp))
@@ -149,8 +161,30 @@ class GradReducer:
         gradient starts its copy to the host at once, behind the rest of backward."""
         return not self.comm.active and self.grad_device.type == "cpu" and grad.device.type != "cpu"
 
+    def begin_coalescing(self) -> None:
+        self.flush()
+        self.coalescing = True
+
+    def end_coalescing(self) -> None:
+        """Reduce every gradient held since begin_coalescing, in the parameters' fixed order
+        (zeros where this rank has none, so every rank issues the same collectives)."""
+        self.coalescing = False
+        trainable = [sp for sp in self.table.values() if sp.requires_grad]
+        held = torch.tensor([float(id(sp) in self.deferred) for sp in trainable])
+        self.comm.all_reduce(held)  # a parameter no rank holds a gradient for stays without one
+        divisor, self.backward_divisor = self.backward_divisor, 1.0  # applied while holding
+        try:
+            self.reduce_deferred([sp for sp, anywhere in zip(trainable, held.tolist()) if anywhere],
+                                 held_only=False)
+            self.flush()
+        finally:
+            self.backward_divisor = divisor
+
     def flush(self) -> None:
-        """Reduce every pending gradient and wait: afterwards each `grad_shard` is complete."""
+        """Reduce every pending gradient and wait: afterwards each `grad_shard` is complete
+        (while coalescing, gradients stay held and nothing is reduced)."""
+        if self.coalescing:
+            return
         if self.deferred:  # leaf gradients whose reduce point never came: in their fixed order
             leftovers = [sp for sp in self.table.values() if id(sp) in self.deferred]
             self.reduce_deferred(leftovers)

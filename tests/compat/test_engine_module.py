@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from common import config, make_batches, make_model, two_param_groups
@@ -178,3 +180,46 @@ def fp16_direct_backward(rank: int, world: int):
 
 def test_fp16_direct_backward_needs_engine_scale():
     assert run_ranks(fp16_direct_backward, 2) == [True, True]
+
+
+def coalesced_reduction(rank: int, world: int):
+    """DeepSpeed's pattern: 4 chunks, the boundary set on the last, one step; with and
+    without coalesce_grad_reduction, through engine.backward and loss.backward()."""
+    import pytest
+
+    import zero3
+
+    chunks = make_batches(4 * world, MICRO, seed=7)
+    results = {}
+    for coalesce in (False, True):
+        for direct in (False, True):
+            model = make_model()
+            engine, _, _, _ = zero3.initialize(model=model, optimizer=torch.optim.AdamW(two_param_groups(model)),
+                                               config=config(MICRO, 1))
+            for step in range(2):
+                context = engine.coalesce_grad_reduction() if coalesce else contextlib.nullcontext()
+                with context:
+                    for i in range(4):
+                        x, y = chunks[i * world + rank]
+                        loss = engine(x, y + step)
+                        engine.set_gradient_accumulation_boundary(i == 3)
+                        loss.backward() if direct else engine.backward(loss)
+                    if coalesce:
+                        assert all(sp.grad_shard is None for sp in engine.table.values())  # nothing reduced yet
+                        with pytest.raises(zero3.EngineError, match="inside coalesce_grad_reduction"):
+                            engine.step()
+                engine.step()
+            results[(coalesce, direct)] = {k: v.clone() for k, v in engine.state_dict().items()}
+            with pytest.raises(zero3.EngineError, match="no_sync"):
+                with engine.no_sync():
+                    pass
+            engine.destroy()
+    reference = results[(False, False)]
+    for key, state in results.items():
+        for name, value in reference.items():
+            assert torch.allclose(state[name], value, rtol=1e-5, atol=1e-6), (key, name, (state[name] - value).abs().max().item())
+    return True
+
+
+def test_coalesce_grad_reduction_matches_reducing_every_backward():
+    assert run_ranks(coalesced_reduction, 2) == [True, True]
