@@ -205,7 +205,6 @@ class ZeroConfig:
     offload_optimizer: OffloadConfig = OffloadConfig()
     sub_group_size: int = 1_000_000_000
     leaf_module: LeafModuleConfig = LeafModuleConfig()
-    override_module_apply: bool = True
     log_trace_cache_warnings: bool = False
     enable_sanity_checks: bool = False
 
@@ -762,12 +761,17 @@ _ZERO_RULES: dict[str, _Rule] = {
                            "elements (whole parameters, one optimizer call each)"),
     "leaf_module": _Map("leaf_module", _leaf_module,
                         "modules gathered and released as one unit (classes / names / name_suffixes)"),
-    "override_module_apply": _Map("override_module_apply", _bool,
-                                  "under zero3.Init, Module.apply(fn) sees gathered parameters and "
-                                  "keeps what fn writes"),
+    "override_module_apply": _Only(_is(True), "true (DeepSpeed's default)",
+                                   "inside zero3.Init any code that touches a partitioned parameter, "
+                                   "Module.apply(fn) included, sees it gathered and keeps what it writes; "
+                                   "that cannot be turned off", _REMOVE),
     "log_trace_cache_warnings": _Map("log_trace_cache_warnings", _bool,
-                                     "log when the recorded fetch order changes and is re-recorded"),
-    "enable_sanity_checks": _Map("enable_sanity_checks", _bool, "extra internal consistency checks"),
+                                     "log a warning when a step leaves the previous step's fetch order "
+                                     "(prefetch stops until the next step, which re-records it)"),
+    "enable_sanity_checks": _Map("enable_sanity_checks", _bool,
+                                 "after every backward, check that each non-resident parameter is released "
+                                 "with no hold and each gradient shard has its shard's size (an EngineError "
+                                 "names the parameters otherwise)"),
     # accepted when zero3 always satisfies the value
     "contiguous_gradients": _Only(_is_bool, "true or false",
                                   "zero3 always reduces into contiguous shard buffers; the buffer "

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from . import checkpoint as checkpoint_io
-from . import export, generation
+from . import diagnostics, export, generation
 from .accelerator import get_accelerator
 from .comm import Communicator
 from .config import Zero3Config
@@ -34,7 +34,7 @@ from .init import claim_init_shard
 from .param_status import mark_managed
 from .partition import ParamState, ShardedParam
 from .precision import LossScaler
-from .timers import StepTimers
+from .timers import StepTimers, ThroughputTimer
 from .reduce import GradReducer
 from .schedule import PrefetchPolicy
 from .units import build_units, choose_persistent
@@ -80,7 +80,28 @@ class Engine(EngineSurface, nn.Module):
         self.loss_scaler = (
             LossScaler.from_precision(config.precision) if self.compute_dtype == torch.float16 else None
         )
-        self.timers = StepTimers(enabled=config.wall_clock_breakdown)
+        self._init_counters()
+        self._gc_disabled_here = diagnostics.apply_process_settings(config)
+        self.module = self._prepare_module(model)
+        self.named_params = list(self.module.named_parameters())
+        self.table = self._shard_parameters()
+        self.param_names = {sp.param: sp.name for sp in self.table.values()}
+        self.units = build_units(self.module, self.table, config.zero.module_granularity_threshold,
+                                 leaf_module=config.zero.leaf_module)
+        self.master_device = (
+            torch.device("cpu") if config.zero.offload_optimizer.device == "cpu" else self.device
+        )
+        self.reducer = self._build_reducer()
+        self.fetcher = self._build_fetcher()
+        self.optimizer = self._build_optimizer(optimizer, model_parameters)
+        self.lr_scheduler = self._resolve_scheduler(lr_scheduler)
+        register_engine(self)
+        self._destroyed = False
+        diagnostics.report_config(config, self.comm.rank)
+
+    def _init_counters(self) -> None:
+        """DeepSpeed's counters and timers, and the per-call flags of backward and step."""
+        config = self.config
         self.global_steps = 0
         self.micro_steps = 0
         self.global_samples = 0
@@ -89,58 +110,61 @@ class Engine(EngineSurface, nn.Module):
         self._step_applied = False
         self._in_engine_backward = False
         self._loss_scaled_by_client = False  # engine.scale(loss) was called for the next backward
-        self.module = self._prepare_module(model)
-        self.named_params = list(self.module.named_parameters())
-        self.table = self._shard_parameters()
-        self.param_names = {sp.param: sp.name for sp in self.table.values()}
-        self.units = build_units(self.module, self.table, config.zero.module_granularity_threshold,
-                                 leaf_module=config.zero.leaf_module)
-        reduce_dtype = config.precision.reduce_dtype
-        self.master_device = (
-            torch.device("cpu") if config.zero.offload_optimizer.device == "cpu" else self.device
-        )
-        self.reducer = GradReducer(
+        self.timers = StepTimers(enabled=config.wall_clock_breakdown)
+        self.tput_timer = ThroughputTimer(
+            config.throughput_timer_enabled, config.throughput_timer_synchronized, config.train_batch_size,
+            config.steps_per_print, report=lambda line: self.comm.rank == 0 and logger.info(line))
+
+    def _build_reducer(self) -> GradReducer:
+        config = self.config
+        reducer = GradReducer(
             list(self.table.values()),
             self.comm,
             bucket_numel=config.zero.reduce_bucket_size,
-            reduce_dtype=reduce_dtype,
+            reduce_dtype=config.precision.reduce_dtype,
             grad_device=self.master_device,
             prescale=config.prescale_gradients,
             predivide_factor=config.gradient_predivide_factor,
             overlap=config.zero.overlap_comm,
         )
-        self.reducer.backward_divisor = float(config.gradient_accumulation_steps)
+        reducer.backward_divisor = float(config.gradient_accumulation_steps)
         for unit in self.units:
             if unit.leaf:
-                self.reducer.defer(unit.params)
-        self.fetcher = Fetcher(
+                reducer.defer(unit.params)
+        return reducer
+
+    def _build_fetcher(self) -> Fetcher:
+        zero = self.config.zero
+        return Fetcher(
             self.module, self.table, self.units, self.comm, self.device, self._end_backward,
             on_leaf_backward=self.reducer.reduce_deferred,
             policy=PrefetchPolicy(
-                bucket_numel=config.zero.prefetch_bucket_size,
-                max_live_numel=config.zero.max_live_parameters,
-                reuse_distance_numel=config.zero.max_reuse_distance,
+                bucket_numel=zero.prefetch_bucket_size,
+                max_live_numel=zero.max_live_parameters,
+                reuse_distance_numel=zero.max_reuse_distance,
+                log_departures=zero.log_trace_cache_warnings,
             ),
         )
+
+    def _build_optimizer(self, optimizer, model_parameters) -> ShardedOptimizer | None:
+        """The client optimizer over fp32 master shards; with the overlapped host step, the
+        fetcher and the gradient sink wait for the update in flight where they must."""
         client_optimizer = self._resolve_optimizer(optimizer, model_parameters)
-        overlap = client_optimizer is not None and self._overlaps_host_step(client_optimizer)
-        self.optimizer = (
-            ShardedOptimizer(
-                client_optimizer, self.table, self.comm, self.master_device, config.gradient_clipping,
-                check_overflow=config.precision.check_grad_overflow,
-                pin_memory=config.zero.offload_optimizer.device == "cpu" and config.zero.offload_optimizer.pin_memory,
-                sub_group_numel=config.zero.sub_group_size,
-                unit_order=self.fetcher.params_in_forward_order if overlap else None,
-            )
-            if client_optimizer is not None
-            else None
+        if client_optimizer is None:
+            return None
+        zero = self.config.zero
+        overlap = self._overlaps_host_step(client_optimizer)
+        sharded = ShardedOptimizer(
+            client_optimizer, self.table, self.comm, self.master_device, self.config.gradient_clipping,
+            check_overflow=self.config.precision.check_grad_overflow,
+            pin_memory=zero.offload_optimizer.device == "cpu" and zero.offload_optimizer.pin_memory,
+            sub_group_numel=zero.sub_group_size,
+            unit_order=self.fetcher.params_in_forward_order if overlap else None,
         )
         if overlap:
-            self.fetcher.shard_fence = self.optimizer.background.wait_for
-            self.reducer.sink.fence = self.optimizer.background.wait
-        self.lr_scheduler = self._resolve_scheduler(lr_scheduler)
-        register_engine(self)
-        self._destroyed = False
+            self.fetcher.shard_fence = sharded.background.wait_for
+            self.reducer.sink.fence = sharded.background.wait
+        return sharded
 
     # ------------------------------------------------------------------ setup
     def _prepare_module(self, model: nn.Module) -> nn.Module:
@@ -311,7 +335,8 @@ class Engine(EngineSurface, nn.Module):
         self._check_alive()
         if self.config.precision.auto_cast:
             args, kwargs = _cast_floating((args, kwargs), self.compute_dtype)
-        with self.timers.time("forward"):
+        self.tput_timer.start()
+        with self._phase("forward"):
             output = self.module(*args, **kwargs)
         if self.loss_scaler is not None and torch.is_grad_enabled():
             _hook_output_tensors(output, self._on_backward_start)
@@ -336,7 +361,7 @@ class Engine(EngineSurface, nn.Module):
         self._in_engine_backward = True
         self.reducer.backward_divisor = 1.0  # the loss itself carries the accumulation divisor
         try:
-            with self.timers.time("backward"):
+            with self._phase("backward"):
                 scaled.backward(retain_graph=retain_graph)
                 self.reducer.flush()
         finally:
@@ -375,6 +400,20 @@ class Engine(EngineSurface, nn.Module):
         """End of every backward (engine.backward or a direct loss.backward()): every
         gradient of it is reduced into its shard."""
         self.reducer.flush()
+        if self.config.zero.enable_sanity_checks:
+            self._check_after_backward()
+
+    def _check_after_backward(self) -> None:
+        """enable_sanity_checks: after a whole backward every non-resident parameter is
+        released with no hold left, and every gradient shard has its shard's size."""
+        problems = [f"{sp.name} is {sp.state.name} with {sp.holds} holds" for sp in self.table.values()
+                    if not sp.persistent and (sp.state is not ParamState.SHARDED or sp.holds)]
+        problems += [f"{sp.name} has a gradient shard of {sp.grad_shard.numel()} elements, expected "
+                     f"{sp.shard_numel}" for sp in self.table.values()
+                     if sp.grad_shard is not None and sp.grad_shard.numel() != sp.shard_numel]
+        if problems:
+            raise EngineError("zero_optimization.enable_sanity_checks: after backward " + "; ".join(problems[:10])
+                              + ". This is an engine fault: please report it with the model")
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the next step() runs the optimizer: the value given to
@@ -404,18 +443,32 @@ class Engine(EngineSurface, nn.Module):
             raise EngineError("engine.step() inside coalesce_grad_reduction(): call it after the block, "
                               "whose exit reduces the gradients the step needs")
         self._step_applied = False
-        if self.is_gradient_accumulation_boundary():
+        boundary = self.is_gradient_accumulation_boundary()
+        if boundary:
             if self.optimizer is None:
                 raise EngineError(
                     "engine.step() at an accumulation boundary needs an optimizer: pass "
                     "optimizer= to zero3.initialize or add an 'optimizer' config section"
                 )
-            with self.timers.time("step"):
+            with self._phase("step"):
                 self._step_applied = self._optimizer_step(lr_kwargs)
             self.global_steps += 1
             self.global_samples += self.config.train_batch_size
             self._report_progress()
+            diagnostics.collect_garbage(self._gc_disabled_here)
+        self.tput_timer.stop(global_step=boundary)
         self.micro_steps += 1
+
+    @contextlib.contextmanager
+    def _phase(self, name: str) -> Iterator[None]:
+        """One of forward / backward / step: timed (wall_clock_breakdown), with memory
+        logged around it (memory_breakdown)."""
+        if self.config.memory_breakdown:
+            diagnostics.log_memory(f"before {name}", self.comm.rank)
+        with self.timers.time(name):
+            yield
+        if self.config.memory_breakdown:
+            diagnostics.log_memory(f"after {name}", self.comm.rank)
 
     def _optimizer_step(self, lr_kwargs: dict | None) -> bool:
         """Run the optimizer on the reduced gradients; False when an overflow skipped it."""
@@ -578,6 +631,7 @@ class Engine(EngineSurface, nn.Module):
         self.fetcher.remove()
         self.reducer.remove()
         unregister_engine(self)
+        diagnostics.restore_process_settings(self._gc_disabled_here)
         self._destroyed = True
 
     def _settle(self) -> None:

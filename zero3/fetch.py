@@ -264,7 +264,7 @@ class Fetcher:
         self._wrapped: dict[int, nn.Module] = {}
         self._structure_changed = False
         self.policy = policy
-        self.schedule = Schedule()
+        self.schedule = Schedule(log_departures=policy.log_departures)
         # False while every parameter is held (gathered_for_generation): forwards are then not
         # recorded in the divergence trace or the schedule, since ranks may run different numbers.
         self.tracking = True

@@ -25,7 +25,10 @@ Owns no tensors: units are referred to by index.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Iterator
+
+logger = logging.getLogger("zero3")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +38,7 @@ class PrefetchPolicy:
     bucket_numel: int = 0  # stage3_prefetch_bucket_size: 0 turns prefetch off
     max_live_numel: int = 0  # stage3_max_live_parameters: bound on gathered elements ahead of use
     reuse_distance_numel: int = 0  # stage3_max_reuse_distance: 0 always releases after use
+    log_departures: bool = False  # log_trace_cache_warnings: log when a step leaves the recorded order
 
     @property
     def prefetches(self) -> bool:
@@ -51,7 +55,8 @@ Entry = tuple[bool, int]  # (in backward, unit index)
 class Schedule:
     """The plan (last step's entries) and this step's progress through it."""
 
-    def __init__(self) -> None:
+    def __init__(self, log_departures: bool = False) -> None:
+        self.log_departures = log_departures
         self._recorded: dict[bool, list[Entry]] = {}
         self._kind = True
         self._entries: list[Entry] = []
@@ -74,6 +79,11 @@ class Schedule:
         self._entries.append(entry)
         if self.on_plan and (position >= len(self._plan) or self._plan[position] != entry):
             self.on_plan = False
+            if self.log_departures:
+                planned = self._plan[position] if position < len(self._plan) else "the end of the step"
+                logger.warning("zero3: this step left last step's fetch order at entry %d (%s unit %d, planned "
+                               "%s); prefetch stops until the next step, which re-records the order",
+                               position, "backward" if backward else "forward", unit, planned)
 
     def upcoming(self, limit: int) -> Iterator[Entry]:
         """The planned entries after the current one (nothing when off plan), at most `limit`."""

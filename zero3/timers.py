@@ -39,3 +39,67 @@ class StepTimers:
         self.totals.clear()
         self.counts.clear()
         return " ".join(parts)
+
+
+class ThroughputTimer:
+    """DeepSpeed's `engine.tput_timer` (config `timers.throughput`): wall time from each
+    forward (`start`) to the step() that ends its micro-step (`stop`), counted from the
+    `start_step`-th optimizer step on (the first ones warm up), and the running samples per
+    second, logged every `steps_per_output` optimizer steps. Does nothing when disabled;
+    with `synchronized` the device is synchronized before each reading."""
+
+    def __init__(self, enabled: bool, synchronized: bool, batch_size: int, steps_per_output: int | None,
+                 report: "callable", start_step: int = 2) -> None:
+        self.enabled = enabled
+        self.synchronized = synchronized
+        self.batch_size = batch_size
+        self.steps_per_output = steps_per_output
+        self.report = report
+        self.start_step = start_step
+        self.initialized = False
+        self.started = False
+        self.start_time = 0.0
+        self.micro_step_count = 0
+        self.global_step_count = 0
+        self.total_elapsed_time = 0.0
+        self.step_elapsed_time = 0.0
+
+    def _now(self) -> float:
+        if self.synchronized and torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+        return time.time()
+
+    def start(self) -> None:
+        if not self.enabled:
+            return
+        self.initialized = True
+        self.started = True
+        if self.global_step_count >= self.start_step:
+            self.start_time = self._now()
+
+    def stop(self, global_step: bool) -> None:
+        if not self.enabled or not self.started:
+            return
+        self.started = False
+        self.micro_step_count += 1
+        if global_step:
+            self.global_step_count += 1
+        if self.start_time <= 0:
+            return
+        duration = self._now() - self.start_time
+        self.total_elapsed_time += duration
+        self.step_elapsed_time += duration
+        if not global_step:
+            return
+        if self.steps_per_output and self.global_step_count % self.steps_per_output == 0:
+            self.report(f"zero3: global_step={self.global_step_count} micro_step={self.micro_step_count} "
+                        f"RunningAvgSamplesPerSec={self.avg_samples_per_sec():.3f} "
+                        f"CurrSamplesPerSec={self.batch_size / max(self.step_elapsed_time, 1e-9):.3f}")
+        self.step_elapsed_time = 0.0
+
+    def avg_samples_per_sec(self) -> float:
+        """Samples per second over the timed optimizer steps (-inf before any)."""
+        timed = self.global_step_count - self.start_step
+        if timed <= 0 or self.total_elapsed_time <= 0:
+            return float("-inf")
+        return self.batch_size / (self.total_elapsed_time / timed)
