@@ -49,6 +49,10 @@ def _engine(fixture: M.Fixture, world: int):
     cfg["zero_optimization"].pop("sub_group_size", None)
     if SUB_GROUP_SIZE[world] is not None:
         cfg["zero_optimization"]["sub_group_size"] = SUB_GROUP_SIZE[world]
+    if fixture.dtype == "fp16":
+        # DeepSpeed's ZeRO-3 divides fp16 gradients by the world size before reducing them;
+        # zero3 does with prescale_gradients (else the sum may overflow where DeepSpeed's did not).
+        cfg["prescale_gradients"] = True
     model = M.build_model(fixture, seed=0 if fixture.exclude_frozen else 1)
     optimizer = M.make_optimizer(fixture, model)
     scheduler = M.make_torch_scheduler(optimizer) if fixture.scheduler is None else None
@@ -198,8 +202,10 @@ def test_load_every_fixture(world: int, tmp_path: Path):
             assert outcome["problems"] == [], f"{job[1]} from {job[2]}, rank {rank} of {world}: {outcome['problems']}"
             if outcome["ds_losses"] is not None:
                 assert outcome["losses"] == outcome["ds_losses"], (job, rank)
-            if "max_master_diff" in outcome:
-                tolerance = 1e-5 if M.FIXTURES[job[1]].dtype == "fp32" else 2e-3
+            if "max_master_diff" in outcome and rank == 0:
+                print(f"{job[1]} ({job[2]}) on {world} ranks: masters after one more step within "
+                      f"{outcome['max_master_diff']:.1e} of DeepSpeed's")
+                tolerance = 1e-6 if M.FIXTURES[job[1]].dtype == "fp32" else 1e-4  # reduction order
                 assert outcome["max_master_diff"] <= tolerance, (job, outcome["max_master_diff"])
 
 
