@@ -46,6 +46,10 @@ Choosing what to load (`resolve_tag`):
     *damaged* checkpoint (bad manifest, checksum, size, missing or extra file) is not
     expected and never skipped silently: it raises, naming the files.
 
+A DeepSpeed ZeRO-3 folder (its `latest` and `zero_pp_rank_*` files, ds_layout.py) is
+recognized first and loaded through the same checks and restore, its files read by
+DeepSpeedCheckpoint instead of ShardReader (`_load_deepspeed`).
+
 Loading verifies everything before any state is touched: the manifest and its checksum,
 every file's presence, size and sha256 (shared out across ranks), no extra files, the
 safetensors headers against the layout, the model against the layout, and the pickled

@@ -67,8 +67,7 @@ IMPLEMENTATION_KEYS = frozenset({"params", "foreach", "fused", "capturable", "di
 def _has_deepspeed_files(folder: Path) -> bool:
     if not folder.is_dir():
         return False
-    names = [p.name for p in folder.iterdir()]
-    return any(n.endswith(("_model_states.pt", "_optim_states.pt")) for n in names) or (folder / "zero").is_dir()
+    return any(p.name.endswith(("_model_states.pt", "_optim_states.pt")) for p in folder.iterdir())
 
 
 def deepspeed_tag_folder(root: Path, tag: str | None = None) -> Path | None:
