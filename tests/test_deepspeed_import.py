@@ -290,3 +290,33 @@ def test_inspect_recognizes_deepspeed(tmp_path: Path):
     assert out.returncode == 0, out.stderr
     assert "DeepSpeed ZeRO-3 checkpoint" in out.stdout and "saved on 3 ranks, bfloat16, global step 2" in out.stdout
     assert "client_state keys: epoch" in out.stdout
+
+
+@pytest.mark.parametrize("name", ["seed_bf16_w3_nofrozen", "llama_lora_bf16_w3", "mlp_fp16_w3"])
+def test_padding_never_read(name: str):
+    """NaN written into every partition's padding (in memory) changes nothing read: each
+    parameter, master and moment read whole equals DeepSpeed's recorded value."""
+    from zero3.ds_layout import DeepSpeedCheckpoint
+
+    source = DeepSpeedCheckpoint.open(FIXTURES / name / "ckpt")
+    poisoned = 0
+    for slot in source.slots.values():
+        kinds = [("param", None)] + ([("optim", key) for key in STATE_KEYS] if slot.trainable else [])
+        for rank in range(source.world_size):
+            valid = max(0, min(slot.partition, slot.numel - rank * slot.partition))
+            for kind, key in kinds:
+                piece = source._rank_piece(rank, kind, slot, key)
+                piece[valid:] = float("nan")
+                poisoned += slot.partition - valid
+    assert poisoned > 0
+    tensors = _expected(name)["tensors"]
+    for name_, slot in source.slots.items():
+        if slot.trainable:
+            wanted = {"master": tensors[f"fp32/{name_}"], **{f"optim/{k}": tensors[f"{k}/{name_}"] for k in STATE_KEYS}}
+        else:
+            wanted = {"param": tensors[f"frozen/{name_}"]}
+        for kind, value in wanted.items():
+            key = f"{kind}/{name_}" if "/" not in kind else f"optim/{name_}/{kind.split('/')[1]}"
+            got = source.read_range(key, slot.numel, 0, slot.numel).reshape(value.shape)
+            assert torch.equal(got.to(value.dtype), value), key
+    source.close()

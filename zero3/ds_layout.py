@@ -489,16 +489,17 @@ class DeepSpeedCheckpoint:
         return slot
 
     def _rank_piece(self, rank: int, kind: str, slot: Slot, state_key: str | None) -> torch.Tensor:
-        """Rank `rank`'s padded slice (slot.partition elements) of a parameter's tensor `kind`."""
+        """Rank `rank`'s padded slice (slot.partition elements) of a parameter's tensor `kind`:
+        a view into the loaded file, detached (the saved masters require grad)."""
         if not slot.trainable:
             if kind != "param":
                 raise DeepSpeedCheckpointError(f"{self.folder}: frozen {slot.name} has no {kind} tensor")
-            return self._models[rank]["frozen_param_fragments"][slot.name].reshape(-1)
+            return self._models[rank]["frozen_param_fragments"][slot.name].detach().reshape(-1)
         if kind in ("param", "master"):
             flat = self._states[rank]["fp32_flat_groups"][slot.sub_group]
         else:
             flat = self._sub_group_state[rank][slot.sub_group][state_key]
-        return flat[slot.offset:slot.offset + slot.partition]
+        return flat.detach()[slot.offset:slot.offset + slot.partition]
 
     def read_range(self, key: str, numel: int, start: int, end: int) -> torch.Tensor:
         """Elements [start, end) of the flattened tensor `key` (`numel` elements in all),
@@ -522,11 +523,11 @@ class DeepSpeedCheckpoint:
         source rank `rank`), as a fresh tensor."""
         kind, name, state_key = _parse_key(key)
         if kind == "buffer":
-            return self._models[0]["module"][name].clone()
+            return self._models[0]["module"][name].detach().clone()
         if kind != "optim_whole":
             raise DeepSpeedCheckpointError(f"{self.folder}: {key} is read by range, not whole")
         slot = self._slot(name)
-        return self._sub_group_state[min(rank, self.world_size - 1)][slot.sub_group][state_key].clone()
+        return self._sub_group_state[min(rank, self.world_size - 1)][slot.sub_group][state_key].detach().clone()
 
     def whole_shape(self, key: str) -> tuple[int, ...]:
         return tuple(self.read_whole(key).shape)
