@@ -78,7 +78,7 @@ import random
 import re
 import sys
 import time
-from contextlib import ExitStack
+from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
@@ -1042,7 +1042,7 @@ def _load_deepspeed(engine: "Engine", folder: Path, strict: bool, load_optimizer
         common = source.common
         common["micro_steps"] = common["global_steps"] * engine.config.gradient_accumulation_steps
         plan = on_every_rank(comm, lambda: _checked_plan(
-            engine, _Plan(folder, source.layout, common, None, False, lambda: source), strict,
+            engine, _Plan(folder, source.layout, common, None, False, lambda: nullcontext(source)), strict,
             load_optimizer_states, load_lr_scheduler_states, load_module_only), CheckpointError)
         _apply(engine, plan, load_lr_scheduler_states, load_module_only)
     finally:

@@ -115,11 +115,8 @@ def inspect(directory: Path, as_json: bool) -> int:
 
 def inspect_deepspeed(directory: Path, as_json: bool) -> int:
     """What a DeepSpeed ZeRO-3 checkpoint holds (validated: every rank file, element counts)."""
-    source = DeepSpeedCheckpoint.open(directory)
-    try:
+    with DeepSpeedCheckpoint.open(directory) as source:
         info = source.describe()
-    finally:
-        source.close()
     if as_json:
         print(json.dumps({"directory": str(directory), "deepspeed": info}, indent=1))
         return 0

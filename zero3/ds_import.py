@@ -13,8 +13,10 @@ state (`optim/`, `optim_whole/`); rank 0's persistent buffers; counters, schedul
 param-group hyper-parameters, fp16 loss scaler and client_state. DeepSpeed saves no RNG
 state: the rank file records none, and loading leaves the RNG as it is.
 
-The destination tag folder must not exist yet (nothing is overwritten); each file goes
-through a temporary name, fsync and rename, the manifest last, then `latest`.
+The destination tag folder must not exist yet (nothing is overwritten). Everything is
+checked before the first write; each file goes through a temporary name, fsync and
+rename, the manifest last (an import cut short leaves a folder without one, which no
+load accepts), then `latest`.
 """
 
 from __future__ import annotations
@@ -124,24 +126,21 @@ def import_deepspeed(src: Path, dst: Path, tag: str | None = None) -> dict[str, 
 
     Raises DeepSpeedCheckpointError for an unreadable or unsupported source and
     CheckpointError when the destination tag exists or the result fails verification."""
-    source = DeepSpeedCheckpoint.open(Path(src), tag)
-    try:
+    with DeepSpeedCheckpoint.open(Path(src), tag) as source:
         out_tag = source.folder.name
         folder = Path(dst) / out_tag
         if folder.exists():
             raise ckpt.CheckpointError(f"{folder} already exists; import into another directory or remove it")
+        plan, common = _tensor_plan(source), _common_file(source)  # every check before the first write
         folder.mkdir(parents=True)
-        plan = _tensor_plan(source)
         files = {ckpt.shard_file(0, WORLD): write_safetensors(
             folder / ckpt.shard_file(0, WORLD), [spec for spec, _, _ in plan], _values(source, plan),
             metadata={"format": "zero3", "rank": "0", "world_size": str(WORLD)})}
         files[ckpt.state_file(0, WORLD)] = _write_atomically(
             folder / ckpt.state_file(0, WORLD), _pickled({"rng": None, "rank": 0}))
-        files[ckpt.COMMON] = _write_atomically(folder / ckpt.COMMON, _common_file(source))
+        files[ckpt.COMMON] = _write_atomically(folder / ckpt.COMMON, common)
         manifest = ckpt.seal(_manifest(source, out_tag, files))
         _write_atomically(folder / ckpt.MANIFEST, json.dumps(manifest, indent=1).encode())
-    finally:
-        source.close()
     problems = ckpt.verify_checkpoint(folder)
     if problems:
         raise ckpt.CheckpointError(f"{folder}: the imported checkpoint failed verification:\n  " + "\n  ".join(problems))

@@ -194,6 +194,9 @@ def _check_rank_headers(folder: Path, models: list[dict], optims: list[dict]) ->
     world = len(models)
     for rank, (model, optim) in enumerate(zip(models, optims)):
         where = f"{folder}: rank {rank}"
+        if not isinstance(model, dict) or not isinstance(optim, dict):
+            raise DeepSpeedCheckpointError(
+                f"{where}'s files hold {type(model).__name__} and {type(optim).__name__}, not DeepSpeed's dicts")
         if model.get("dp_world_size") != world:
             raise DeepSpeedCheckpointError(
                 f"{where}'s model file says dp_world_size {model.get('dp_world_size')}, the folder holds "
@@ -203,7 +206,7 @@ def _check_rank_headers(folder: Path, models: list[dict], optims: list[dict]) ->
             raise DeepSpeedCheckpointError(
                 f"{where}: saved with model parallelism (mp_world_size {model.get('mp_world_size')}, {dims}); "
                 "tensor / pipeline parallel checkpoints are not supported")
-        state = optim.get("optimizer_state_dict") if isinstance(optim, dict) else None
+        state = optim.get("optimizer_state_dict")
         if not isinstance(state, dict):
             raise DeepSpeedCheckpointError(f"{where}'s optimizer file has no optimizer_state_dict")
         stage = state.get("zero_stage")
@@ -367,16 +370,17 @@ def _accumulation_steps(config: Any, world: int) -> int:
 class DeepSpeedCheckpoint:
     """One validated DeepSpeed ZeRO-3 tag folder, readable by zero3's keys (module doc).
 
-    Holds the loaded (memory-mapped) contents of every rank's two files until `close()`;
-    the tensors its read methods return are views into them or fresh copies, never to be
-    written to (the caller copies them into its own shards)."""
+    Holds the loaded (memory-mapped) contents of every rank's two files until `close()`
+    or the end of its `with` block. The tensors its read methods return are views into
+    them or fresh copies, never to be written to (the caller copies them into its own
+    shards)."""
 
     def __init__(self, folder: Path, models: list[dict], optims: list[dict], optim_names: list[str]) -> None:
+        _check_rank_headers(folder, models, optims)
         self.folder = folder
         self.world_size = len(models)
         self._models = models
         self._states = [o["optimizer_state_dict"] for o in optims]
-        _check_rank_headers(folder, models, optims)
         self.sub_groups = _trainable_slots(folder, models)
         _check_flats(folder, optims, self.sub_groups)
         self.frozen = _frozen_slots(folder, models)
@@ -414,14 +418,14 @@ class DeepSpeedCheckpoint:
         return cls(folder, models, optims, [optim_files[r].name for r in range(world)])
 
     def close(self) -> None:
-        """Drop the memory-mapped file contents."""
+        """Drop the memory-mapped file contents (`layout`, `common` stay readable)."""
         self._models, self._states, self._sub_group_state = [], [], []
 
     def __enter__(self) -> "DeepSpeedCheckpoint":
         return self
 
     def __exit__(self, *exc_info) -> None:
-        pass  # a reader context (checkpoint.py) ends; the checkpoint stays open until close()
+        self.close()
 
     # ----------------------------------------------------------- zero3's view
     def _states_by_sub_group(self, rank: int) -> list[dict[str, Any]]:
