@@ -227,19 +227,6 @@ def test_no_code_from_the_checkpoint_is_ever_run(tmp_path):
     assert same(snapshot(victim), before)
 
 
-def test_saving_in_the_middle_of_an_accumulation_window_is_refused(tmp_path):
-    from zero3 import CheckpointError
-
-    engine = local_engine(ga=2)
-    train(engine, 1)
-    with pytest.raises(CheckpointError, match=r"middle of a gradient-accumulation window \(micro step 1, "
-                                              r"gradient_accumulation_steps 2\)"):
-        engine.save_checkpoint(tmp_path)
-    assert list(tmp_path.iterdir()) == []
-    train(engine, 1)
-    assert engine.save_checkpoint(tmp_path)
-
-
 def test_pause_setting_with_an_unknown_phase_is_refused(tmp_path, monkeypatch):
     from zero3 import CheckpointError
 

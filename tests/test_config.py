@@ -399,8 +399,57 @@ REFUSABLE = [
         ("checkpoint.", lambda k, v: {"train_batch_size": 2, "checkpoint": {k: v}}, cfg._CHECKPOINT_RULES),
     ]
     for key, rule in rules.items()
-    if not isinstance(rule, cfg._Map)
+    if not isinstance(rule, (cfg._Map, cfg._Inert))
 ]
+INERT = [(prefix, section, key) for prefix, section, key, _ in [
+    ("", lambda k, v: {"train_batch_size": 2, k: v}, "pipeline", None),
+    ("", lambda k, v: {"train_batch_size": 2, k: v}, "seq_parallel_communication_data_type", None),
+    ("zero_optimization.", lambda k, v: {"train_batch_size": 2, "zero_optimization": {k: v}},
+     "pipeline_loading_checkpoint", None),
+    ("checkpoint.", lambda k, v: {"train_batch_size": 2, "checkpoint": {k: v}}, "parallel_write", None),
+]]
+
+
+@pytest.mark.parametrize("prefix, section, key", INERT, ids=[f"{p}{k}" for p, _, k in INERT])
+def test_keys_meaningless_without_pipeline_or_sequence_parallelism_warn(prefix, section, key, caplog):
+    for value in (True, {"stages": 4}, "bf16"):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="zero3"):
+            from_deepspeed(section(key, value), 2)
+        lines = [r.getMessage() for r in caplog.records]
+        assert len(lines) == 1 and f"{prefix}{key}=" in lines[0] and "no effect" in lines[0], lines
+
+
+def test_every_inert_rule_is_listed():
+    rules = [cfg._TOP_RULES, cfg._ZERO_RULES, cfg._CHECKPOINT_RULES]
+    inert = {k for rules_ in rules for k, r in rules_.items() if isinstance(r, cfg._Inert)}
+    assert inert == {key for _, _, key in INERT}
+
+
+@pytest.mark.parametrize("value, expected", [(True, True), (False, False), (1, True), (0, False),
+                                             ("true", True), ("False", False), ("yes", True), ("no", False),
+                                             ("on", True), ("off", False), ("1", True), ("0", False)])
+def test_booleans_take_deepspeeds_truthy_values(value, expected):
+    c = from_deepspeed({"train_batch_size": 2, "zero_allow_untested_optimizer": value,
+                        "zero_optimization": {"contiguous_gradients": value}}, 2)
+    assert c.zero_allow_untested_optimizer is expected
+
+
+@pytest.mark.parametrize("value", [2, "maybe", [], {"enabled": True}, None])
+def test_non_boolean_flags_are_refused(value):
+    message = error_of({"train_batch_size": 2, "zero_allow_untested_optimizer": value})
+    assert message.startswith("zero_allow_untested_optimizer:") and "true or false" in message
+
+
+def test_engine_config_reads_as_the_given_json():
+    given = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}
+    c = from_deepspeed(given, 2)
+    assert c["zero_optimization"] == given["zero_optimization"] and c["zero_optimization"] is not given["zero_optimization"]
+    assert c.get("zero_optimization")["offload_param"]["device"] == "cpu"
+    assert c.get("bf16") is None and c.get("bf16", {}) == {} and "bf16" not in c and "zero_optimization" in c
+    assert dict(c.items()) == given and list(c.keys()) == list(given)
+    with pytest.raises(KeyError):
+        c["fp16"]
 
 
 @pytest.mark.parametrize("prefix, section, key, rule", REFUSABLE, ids=[f"{p}{k}" for p, _, k, _ in REFUSABLE])

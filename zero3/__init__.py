@@ -6,10 +6,11 @@
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
 
 from . import zero
-from .api import init_distributed, initialize
+from .version import __version__
+from .api import initialize
+from .distributed import init_distributed
 from .checkpoint import CheckpointError
 from .config import ConfigError
 from .engine import Engine, EngineError

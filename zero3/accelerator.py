@@ -7,10 +7,21 @@ path on a machine that has a GPU.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
 import torch
+
+
+def local_rank() -> int:
+    """This process's index on its node: torchrun's LOCAL_RANK (0 without it)."""
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def local_world_size() -> int:
+    """Processes on this node: torchrun's LOCAL_WORLD_SIZE (or MPI-style LOCAL_SIZE), else 1."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1)
 
 
 class Accelerator:
@@ -39,7 +50,11 @@ class Accelerator:
             torch.cuda.set_device(self._index)
 
     def current_device(self) -> int:
-        return torch.cuda.current_device() if self._name == "cuda" else 0
+        """The CUDA device in use; on the CPU, as DeepSpeed's CPU accelerator, LOCAL_RANK."""
+        return torch.cuda.current_device() if self._name == "cuda" else local_rank()
+
+    def local_rank(self) -> int:
+        return local_rank()
 
     def current_device_name(self) -> str:
         return f"cuda:{self.current_device()}" if self._name == "cuda" else "cpu"
@@ -50,7 +65,63 @@ class Accelerator:
         return torch.device("cuda", self.current_device() if device_index is None else device_index)
 
     def device_count(self) -> int:
-        return torch.cuda.device_count() if self._name == "cuda" else 1
+        """GPUs on this node; on the CPU, as DeepSpeed's CPU accelerator, the processes on
+        this node (each rank counts as one CPU device)."""
+        return torch.cuda.device_count() if self._name == "cuda" else local_world_size()
+
+    def is_synchronized_device(self) -> bool:
+        return self._name == "cpu"
+
+    def supported_dtypes(self) -> list[torch.dtype]:
+        return [torch.float32, torch.bfloat16, torch.float16]
+
+    # -- random numbers
+    def random(self):
+        return torch.random
+
+    def get_rng_state(self, device_index: int | None = None) -> torch.Tensor:
+        if self._name == "cuda":
+            return torch.cuda.get_rng_state(device_index if device_index is not None else "cuda")
+        return torch.get_rng_state()
+
+    def set_rng_state(self, new_state: torch.Tensor, device_index: int | None = None) -> None:
+        if self._name == "cuda":
+            torch.cuda.set_rng_state(new_state, device_index if device_index is not None else "cuda")
+        else:
+            torch.set_rng_state(new_state)
+
+    def initial_seed(self) -> int:
+        return torch.initial_seed()
+
+    # -- streams and events (none on the CPU: work is done when the call returns)
+    def Stream(self, *args, **kwargs):  # noqa: N802 - DeepSpeed's name
+        return torch.cuda.Stream(*args, **kwargs) if self._name == "cuda" else None
+
+    def Event(self, *args, **kwargs):  # noqa: N802 - DeepSpeed's name
+        return torch.cuda.Event(*args, **kwargs) if self._name == "cuda" else None
+
+    def stream(self, stream):
+        return torch.cuda.stream(stream) if self._name == "cuda" else contextlib.nullcontext()
+
+    def current_stream(self, device_index: int | None = None):
+        return torch.cuda.current_stream(device_index) if self._name == "cuda" else None
+
+    def default_stream(self, device_index: int | None = None):
+        return torch.cuda.default_stream(device_index) if self._name == "cuda" else None
+
+    def range_push(self, message: str) -> None:
+        if self._name == "cuda":
+            torch.cuda.nvtx.range_push(message)
+
+    def range_pop(self) -> None:
+        if self._name == "cuda":
+            torch.cuda.nvtx.range_pop()
+
+    def lazy_call(self, callback):
+        return callback()
+
+    def is_triton_supported(self) -> bool:
+        return False
 
     # -- synchronisation and memory
     def synchronize(self, device_index: int | None = None) -> None:
@@ -66,6 +137,19 @@ class Accelerator:
 
     def max_memory_allocated(self, device_index: int | None = None) -> int:
         return torch.cuda.max_memory_allocated(device_index) if self._name == "cuda" else 0
+
+    def memory_reserved(self, device_index: int | None = None) -> int:
+        return torch.cuda.memory_reserved(device_index) if self._name == "cuda" else 0
+
+    def total_memory(self, device_index: int | None = None) -> int:
+        if self._name == "cuda":
+            return torch.cuda.get_device_properties(device_index or 0).total_memory
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+    def available_memory(self, device_index: int | None = None) -> int:
+        if self._name == "cuda":
+            return torch.cuda.mem_get_info(device_index)[0]
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
     def reset_peak_memory_stats(self, device_index: int | None = None) -> None:
         if self._name == "cuda":

@@ -6,6 +6,8 @@ Layout of `save_dir/<tag>/` (W ranks saved it):
                                  master/<name>            fp32 master (only where separate)
                                  optim/<name>/<key>       elementwise optimizer state
                                  optim_whole/<name>/<key> any other tensor state (AdamW's step)
+                                 grad/<name>              fp32 gradient accumulated so far, when
+                                                          saved inside an accumulation window
                                and in rank 0's file, buffer/<name>: the persistent buffers.
   rank{r:05d}-of-{W:05d}.state.pt    rank r's RNG states: python, numpy, torch, cuda
   common.pt                    counters, scheduler, client_state, optimizer hyper-parameters
@@ -91,6 +93,7 @@ from .ds_layout import DeepSpeedCheckpoint, deepspeed_tag_folder
 from .export import (TensorSpec, fsync_dir, master_map, on_every_rank, parameter_aliases, persistent_buffers,
                      save_consolidated, write_safetensors)
 from .partition import ParamState, ShardedParam
+from .version import __version__
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -214,17 +217,6 @@ def _check_pause_setting() -> None:
 
 
 # ----------------------------------------------------------------------- save
-def _check_can_save(engine: "Engine") -> None:
-    steps = engine.config.gradient_accumulation_steps
-    if engine.micro_steps % steps != 0:
-        raise CheckpointError(
-            f"save_checkpoint called in the middle of a gradient-accumulation window "
-            f"(micro step {engine.micro_steps}, gradient_accumulation_steps {steps}): the "
-            "partial gradients would be lost. Save right after the engine.step() that runs "
-            "the optimizer (engine.is_gradient_accumulation_boundary() was True)"
-        )
-
-
 _PLAIN = (str, int, float, bool, type(None))
 
 
@@ -289,6 +281,9 @@ def _rank_tensors(engine: "Engine", exclude_frozen: bool) -> tuple[list[TensorSp
         master = masters.get(id(sp))
         info: dict[str, Any] = {"master": master is not None and master is not sp.shard, "optim": {}}
         kinds[sp.name] = info
+        if sp.grad_shard is not None:  # saved inside an accumulation window: keep what it gathered
+            info["grad"] = True
+            add(f"grad/{sp.name}", sp.grad_shard[:valid])
         if master is None:
             continue
         if info["master"]:
@@ -370,6 +365,7 @@ def _param_layout(engine: "Engine", exclude_frozen: bool, kinds: dict) -> dict[s
             "persistent": sp.persistent,
             "master": kinds[sp.name]["master"],
             "optim": kinds[sp.name]["optim"],
+            "grad": kinds[sp.name].get("grad", False),
         }
     return layout
 
@@ -425,10 +421,9 @@ def save(engine: "Engine", save_dir, tag, client_state: dict, save_latest: bool,
     """Write a checkpoint with the commit protocol above; a collective. True when done."""
     comm = engine.comm
     rank = comm.rank
-    on_every_rank(comm, lambda: (_check_pause_setting(), _check_can_save(engine),
-                                 _check_client_state(client_state)), CheckpointError)
+    on_every_rank(comm, lambda: (_check_pause_setting(), _check_client_state(client_state)), CheckpointError)
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
-    _validate_tag(engine, tag)
+    tag = _agree_on_tag(engine, tag)
     root = Path(save_dir)
     folder = root / tag
     on_every_rank(comm, lambda: _prepare_folder(folder) if rank == 0 else None, CheckpointError)
@@ -507,19 +502,36 @@ def seal(manifest: dict[str, Any]) -> dict[str, Any]:
     return {**body, "checksum": _body_digest(body)}
 
 
-def _validate_tag(engine: "Engine", tag: str) -> None:
+def _check_tag_name(tag: str) -> None:
     if not tag or "/" in tag or "\\" in tag or tag in (".", "..") or tag.startswith("."):
         raise CheckpointError(f"checkpoint tag {tag!r} is not a valid folder name; use e.g. 'global_step100'")
+
+
+def _agree_on_tag(engine: "Engine", tag: str) -> str:
+    """The tag every rank saves under, after DeepSpeed's checkpoint.tag_validation.
+
+    Ranks that pass different tags get, with "Warn" (the default), a warning and with
+    "Ignore" nothing, and all of them save under rank 0's tag (a checkpoint has one tag;
+    DeepSpeed would scatter it over several folders); with "Fail" an error on every rank.
+    """
+    on_every_rank(engine.comm, lambda: _check_tag_name(tag), CheckpointError)
     tags = engine.comm.gather_objects(tag)
-    if any(t != tag for t in tags):
+    if all(t == tags[0] for t in tags):
+        return tag
+    by_rank = ", ".join(f"rank {r}: {t!r}" for r, t in enumerate(tags))
+    mode = engine.config.checkpoint_tag_validation
+    if mode == "FAIL":
         raise CheckpointError(
-            f"ranks passed different checkpoint tags {sorted(set(tags))}; pass the same tag on every rank"
-        )
+            f"ranks passed different checkpoint tags ({by_rank}) and checkpoint.tag_validation is \"Fail\"; "
+            "pass the same tag on every rank (a tag with rank-specific text cannot be loaded back)")
+    if mode == "WARN" and engine.comm.rank == 0:
+        logger.warning("zero3: ranks passed different checkpoint tags (%s); every rank saves under rank 0's "
+                       "tag %r. Pass the same tag on every rank (checkpoint.tag_validation: \"Ignore\" "
+                       "silences this)", by_rank, tags[0])
+    return tags[0]
 
 
 def _zero3_version() -> str:
-    from . import __version__
-
     return __version__
 
 
@@ -603,6 +615,8 @@ def _header_problems(path: Path, manifest: dict[str, Any]) -> list[str]:
         wanted = {f"param/{name}": (end - start,)}
         if entry.get("master"):
             wanted[f"master/{name}"] = (end - start,)
+        if entry.get("grad"):
+            wanted[f"grad/{name}"] = (end - start,)
         for key, kind in entry.get("optim", {}).items():
             if kind == "elementwise":
                 wanted[f"optim/{name}/{key}"] = (end - start,)
@@ -952,10 +966,13 @@ def _apply(engine: "Engine", plan: _Plan, load_lr_scheduler_states: bool, load_m
     groups = {}
     if engine.optimizer is not None:
         groups = {id(p): g for g in engine.optimizer.optimizer.param_groups for p in g["params"]}
+    grads: list[tuple[ShardedParam, torch.Tensor]] = []
     with plan.open_reader() as reader:
         for sp in engine.table.values():
             if sp.name in plan.manifest["params"]:
                 _apply_param(engine, sp, reader, plan, masters, groups)
+                if plan.restore_optimizer and not load_module_only and plan.manifest["params"][sp.name].get("grad"):
+                    grads.append((sp, _saved_grad(engine, sp, reader, plan)))
         saved_buffers = plan.manifest.get("buffers", {})
         with torch.no_grad():
             for name, buffer in persistent_buffers(engine.module).items():
@@ -980,6 +997,17 @@ def _apply(engine: "Engine", plan: _Plan, load_lr_scheduler_states: bool, load_m
             logger.warning("zero3: rank %d has no saved RNG state (checkpoint of %d ranks); its RNG is "
                            "not restored", engine.comm.rank, plan.manifest["world_size"])
     engine.zero_grad()
+    for sp, grad in grads:  # a checkpoint saved inside an accumulation window goes on from there
+        sp.grad_shard = grad
+
+
+def _saved_grad(engine: "Engine", sp: ShardedParam, reader: ShardReader, plan: _Plan) -> torch.Tensor:
+    """This rank's slice of the accumulated fp32 gradient, in a new shard-sized tensor."""
+    numel = plan.manifest["params"][sp.name]["numel"]
+    start, end = sp.range_of(sp.rank)
+    grad = torch.zeros(sp.shard_numel, dtype=torch.float32, device=engine.master_device)
+    _fill(grad, reader.read_range(f"grad/{sp.name}", numel, start, end))
+    return grad
 
 
 def load(engine: "Engine", load_dir, tag, strict: bool, load_optimizer_states: bool,

@@ -30,10 +30,14 @@ import json
 import math
 import os
 import sys
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, NoReturn, Union
 
 import torch
+import torch.distributed as dist
+
+logger = logging.getLogger("zero3")
 
 __all__ = [
     "ConfigError",
@@ -297,6 +301,22 @@ class Zero3Config:
     throughput_timer_synchronized: bool
     raw: dict
 
+    # DeepSpeed's `engine.config` is the JSON dict it was given: read it the same way.
+    def __getitem__(self, key: str) -> Any:
+        return self.raw[key]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.raw.get(key, default)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.raw
+
+    def keys(self):
+        return self.raw.keys()
+
+    def items(self):
+        return self.raw.items()
+
 
 # --------------------------------------------------------------------------------------
 # Rules
@@ -325,6 +345,14 @@ class _Only:
 
 
 @dataclass(frozen=True)
+class _Inert:
+    """DeepSpeed accepts the key, but it means nothing without a feature zero3 lacks
+    (pipeline or sequence parallelism): any value is accepted with a one-line warning."""
+
+    why: str
+
+
+@dataclass(frozen=True)
 class _Refuse:
     """zero3 does not support the key."""
 
@@ -332,7 +360,7 @@ class _Refuse:
     fix: str
 
 
-_Rule = Union[_Map, _Only, _Refuse]
+_Rule = Union[_Map, _Only, _Inert, _Refuse]
 
 
 @dataclass(frozen=True)
@@ -363,9 +391,13 @@ def _join(prefix: str, key: str) -> str:
 
 
 def _same(a: Any, b: Any) -> bool:
-    """Equality that keeps booleans apart from numbers (``True != 1`` here)."""
-    if isinstance(a, bool) or isinstance(b, bool):
-        return a is b
+    """Equality of a given value ``a`` and an accepted one ``b`` that keeps booleans apart
+    from numbers (``True != 1`` here), except that where ``b`` is a boolean, ``a`` may be
+    any of DeepSpeed's boolean spellings (``"true"``, ``1``, ...)."""
+    if isinstance(b, bool):
+        return _lax_bool(a) is b
+    if isinstance(a, bool):
+        return False
     if isinstance(a, dict) and isinstance(b, dict):
         return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
     return a == b
@@ -404,6 +436,9 @@ def _parse_section(section: _Section, raw: Any) -> dict[str, Any]:
                   "write the number (or true/false) here.")
         if isinstance(rule, _Refuse):
             _fail(key, value, f"zero3 does not support this key: {rule.why}", rule.fix)
+        if isinstance(rule, _Inert):
+            _warn_inert(key, value, rule.why)
+            continue
         if isinstance(rule, _Only):
             if not rule.accepts(value):
                 _fail(key, value, f"zero3 accepts only {rule.shown} here: {rule.why}", rule.fix)
@@ -457,11 +492,34 @@ def _float(minimum: float = 0.0, strict: bool = False) -> Converter:
     return convert
 
 
+_TRUE_WORDS = frozenset({"true", "t", "yes", "y", "on", "1"})
+_FALSE_WORDS = frozenset({"false", "f", "no", "n", "off", "0"})
+
+
+def _lax_bool(value: Any) -> bool | None:
+    """The boolean DeepSpeed's config (pydantic) reads from `value`: true / false, 1 / 0,
+    and the strings "true", "yes", "on", "1", ... (any case); None for anything else."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, (int, float)) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in _TRUE_WORDS | _FALSE_WORDS:
+        return value.strip().lower() in _TRUE_WORDS
+    return None
+
+
 def _bool(key: str, value: Any) -> bool:
-    """Converter: JSON true / false."""
-    if not isinstance(value, bool):
+    """Converter: a boolean, in any of DeepSpeed's spellings (`_lax_bool`)."""
+    flag = _lax_bool(value)
+    if flag is None:
         _fail(key, value, "expected true or false", "Write true or false (JSON booleans, unquoted).")
-    return value
+    return flag
+
+
+def _warn_inert(key: str, value: Any, why: str) -> None:
+    """One line on the first rank: the key is accepted and has no effect."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        logger.warning("zero3: config key %s=%s is accepted and has no effect: %s", key, _show(value), why)
 
 
 def _choice(options: Mapping[str, Any], fold: Callable[[str], str] = str.lower) -> Converter:
@@ -479,7 +537,7 @@ def _is(*accepted: Any) -> Callable[[Any], bool]:
 
 
 def _is_bool(value: Any) -> bool:
-    return isinstance(value, bool)
+    return _lax_bool(value) is not None
 
 
 def _disabled(flag: str = "enabled") -> Callable[[Any], bool]:
@@ -762,7 +820,8 @@ _ZERO_RULES: dict[str, _Rule] = {
                                                 "not implemented"),
     "zero_quantized_gradients": _off(False, "quantized gradient communication (ZeRO++ qgZ) is not "
                                      "implemented"),
-    "pipeline_loading_checkpoint": _off(False, "pipeline parallelism is not implemented"),
+    "pipeline_loading_checkpoint": _Inert("it applies to pipeline-parallel models only, and zero3 has no "
+                                          "pipeline parallelism"),
     "save_muon_momentum_buffer_in_memory": _off(False, f"{_NVME}, nor is the Muon optimizer"),
     "cpu_offload_param": _deprecated_flag("offload_param"),
     "cpu_offload": _deprecated_flag("offload_optimizer"),
@@ -1103,8 +1162,7 @@ _CHECKPOINT_RULES: dict[str, _Rule] = {
     "load_universal": _off(False, "DeepSpeed's universal checkpoint format is not read by zero3",
                            "Remove the key: zero3 checkpoints load on any world size."),
     "use_node_local_storage": _off(False, "zero3 writes every checkpoint to one shared directory"),
-    "parallel_write": _Only(_defaults_only({"pipeline_stage": False}), "{} or {\"pipeline_stage\": false}",
-                            "pipeline parallelism is not implemented", _REMOVE),
+    "parallel_write": _Inert("it applies to pipeline stages only, and zero3 has no pipeline parallelism"),
     "writer": _off(None, "zero3 has its own checkpoint writer (manifest, checksums, commit marker)"),
     "checkpoint_serialization": _off(True, "zero3 chooses its own checkpoint serialization"),
 }
@@ -1204,8 +1262,8 @@ _TOP_RULES: dict[str, _Rule] = {
                                    "gradients are averaged; DeepSpeed refuses \"sum\" at stage 3 too",
                                    _REMOVE),
     "disable_allgather": _off(False, "DeepSpeed 0.19.8 does not use this flag; zero3 always gathers"),
-    "seq_parallel_communication_data_type": _Only(_is(None, "fp32"), '"fp32" (DeepSpeed\'s default)',
-                                                  "sequence parallelism is not implemented", _REMOVE),
+    "seq_parallel_communication_data_type": _Inert("it applies to sequence parallelism only, which zero3 "
+                                                   "does not have"),
     "sequence_parallel_size": _Only(_is(1), "1", "sequence parallelism is not implemented", _REMOVE),
     "use_data_before_expert_parallelism": _off(False, "expert parallelism is not implemented"),
     "activation_checkpointing": _Only(_defaults_only(_ACTIVATION_CHECKPOINTING_DEFAULTS),
@@ -1215,8 +1273,7 @@ _TOP_RULES: dict[str, _Rule] = {
                                       "remove the block."),
     "aio": _Only(_defaults_only(_AIO_DEFAULTS), _shown_defaults(_AIO_DEFAULTS),
                  "aio configures NVMe offload, which zero3 does not support", _REMOVE),
-    "pipeline": _Only(_defaults_only(_PIPELINE_DEFAULTS), _shown_defaults(_PIPELINE_DEFAULTS),
-                      "pipeline parallelism is not implemented", _REMOVE),
+    "pipeline": _Inert("DeepSpeed reads it only for a PipelineModule, and zero3 has no pipeline parallelism"),
     "tensor_parallel": _Only(_no_tensor_parallel, "{} or {\"autotp_size\": 0 or 1}",
                              "tensor parallelism is not implemented", _REMOVE),
     "torch_autocast": _feature_block("torch_autocast", 'Use "bf16": {"enabled": true} or "fp16".'),
@@ -1425,6 +1482,8 @@ def describe_keys() -> list[tuple[str, str, str, str]]:
             elif isinstance(rule, _Only):
                 other = "" if rule.shown == "true or false" else f" Other values: {rule.fix}"
                 rows.append((section, key, "accepted: " + rule.shown, f"{rule.why}.{other}"))
+            elif isinstance(rule, _Inert):
+                rows.append((section, key, "accepted, no effect (a warning)", f"{rule.why}."))
             else:
                 rows.append((section, key, "refused", f"{rule.why}. {rule.fix}"))
     return rows

@@ -24,11 +24,13 @@ from . import export, generation
 from .accelerator import get_accelerator
 from .comm import Communicator
 from .config import Zero3Config
+from .engine_surface import EngineSurface
 from .fetch import Fetcher
 from .gathered import register_engine, unregister_engine
 from .optim import ShardedOptimizer
 from .optimizers import build_optimizer, build_scheduler
 from .init import claim_init_shard
+from .param_status import mark_managed
 from .partition import ParamState, ShardedParam
 from .precision import LossScaler
 from .timers import StepTimers
@@ -49,8 +51,15 @@ class EngineError(RuntimeError):
     """Misuse of the engine (wrong call order, missing optimizer, ...)."""
 
 
-class Engine:
-    """A model trained with ZeRO stage 3; `engine(batch)` runs its forward."""
+class Engine(EngineSurface, nn.Module):
+    """A model trained with ZeRO stage 3; `engine(batch)` runs its forward.
+
+    Like DeepSpeed's engine it is an `nn.Module` whose one child is the client's model,
+    `engine.module`: `parameters()` / `named_parameters()` / `named_buffers()` are the
+    model's (names prefixed `module.`), `train()` / `eval()` reach it, and an attribute
+    the engine does not own is read from the model. The engine's own state lives in its
+    collaborators (fetcher, reducer, optimizer), built here and owned by the engine.
+    """
 
     def __init__(
         self,
@@ -61,6 +70,7 @@ class Engine:
         lr_scheduler: Any = None,
         comm: Communicator | None = None,
     ) -> None:
+        super().__init__()
         self.config = config
         self.comm = comm or Communicator()
         self.accelerator = get_accelerator()
@@ -74,6 +84,10 @@ class Engine:
         self.micro_steps = 0
         self.global_samples = 0
         self.skipped_steps = 0
+        self._boundary_override: bool | None = None  # set_gradient_accumulation_boundary
+        self._step_applied = False
+        self._in_engine_backward = False
+        self._loss_scaled_by_client = False  # engine.scale(loss) was called for the next backward
         self.module = self._prepare_module(model)
         self.named_params = list(self.module.named_parameters())
         self.table = self._shard_parameters()
@@ -94,11 +108,12 @@ class Engine:
             predivide_factor=config.gradient_predivide_factor,
             overlap=config.zero.overlap_comm,
         )
+        self.reducer.backward_divisor = float(config.gradient_accumulation_steps)
         for unit in self.units:
             if unit.leaf:
                 self.reducer.defer(unit.params)
         self.fetcher = Fetcher(
-            self.module, self.table, self.units, self.comm, self.device, self.reducer.flush,
+            self.module, self.table, self.units, self.comm, self.device, self._end_backward,
             on_leaf_backward=self.reducer.reduce_deferred,
             policy=PrefetchPolicy(
                 bucket_numel=config.zero.prefetch_bucket_size,
@@ -207,6 +222,7 @@ class Engine:
                 self._gather_resident(sp)  # partitioned by zero3.Init, resident by the config
             if alias:
                 sp.alias_shard()
+            mark_managed(p)
             table[p] = sp
         return table
 
@@ -290,15 +306,15 @@ class Engine:
         return lr_scheduler
 
     # ------------------------------------------------------------ training API
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.forward(*args, **kwargs)
-
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._check_alive()
         if self.config.precision.auto_cast:
             args, kwargs = _cast_floating((args, kwargs), self.compute_dtype)
         with self.timers.time("forward"):
-            return self.module(*args, **kwargs)
+            output = self.module(*args, **kwargs)
+        if self.loss_scaler is not None and torch.is_grad_enabled():
+            _hook_output_tensors(output, self._on_backward_start)
+        return output
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backpropagate `loss` (divided by the accumulation steps, as DeepSpeed does)."""
@@ -316,17 +332,74 @@ class Engine:
             scaled = loss / steps
         if self.loss_scaler is not None:
             scaled = scaled * self.loss_scaler.scale
-        with self.timers.time("backward"):
-            scaled.backward(retain_graph=retain_graph)
-            self.reducer.flush()
+        self._in_engine_backward = True
+        self.reducer.backward_divisor = 1.0  # the loss itself carries the accumulation divisor
+        try:
+            with self.timers.time("backward"):
+                scaled.backward(retain_graph=retain_graph)
+                self.reducer.flush()
+        finally:
+            self._in_engine_backward = False
+            self.reducer.backward_divisor = float(steps)
         return loss
 
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss multiplied by the fp16 loss scale, for `engine.scale(loss).backward()`.
+
+        DeepSpeed 0.19's way to call backward yourself: `loss.backward()` on an engine's
+        output works as `engine.backward(loss)` does (the accumulation divisor is applied to
+        the gradients as they are reduced); under fp16 the loss must go through `scale`
+        first, and a backward that skips it is refused before any gradient is kept.
+        """
+        if self.optimizer is None:
+            raise EngineError("engine.scale(loss) needs an optimizer: pass optimizer= to zero3.initialize "
+                              "or add an 'optimizer' config section")
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or loss.grad_fn is None:
+            raise EngineError(f"engine.scale(loss) needs a scalar tensor with a grad_fn, got "
+                              f"{type(loss).__name__}{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}")
+        self._loss_scaled_by_client = True
+        return loss * self.loss_scaler.scale if self.loss_scaler is not None else loss
+
+    def _on_backward_start(self) -> None:
+        """fp16 only: a backward that reaches the model's outputs must carry the loss scale."""
+        if self._in_engine_backward:
+            return
+        scaled, self._loss_scaled_by_client = self._loss_scaled_by_client, False
+        if not scaled:
+            raise EngineError(
+                "fp16 training needs the loss scaled before backward, but loss.backward() was called "
+                "on an unscaled loss; call engine.backward(loss) or engine.scale(loss).backward()")
+
+    def _end_backward(self) -> None:
+        """End of every backward (engine.backward or a direct loss.backward()): every
+        gradient of it is reduced into its shard."""
+        self.reducer.flush()
+
     def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether the next step() runs the optimizer: the value given to
+        set_gradient_accumulation_boundary, else every gradient_accumulation_steps-th call."""
+        if self._boundary_override is not None:
+            return self._boundary_override
         return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
 
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """Override the micro-step counter, as Accelerate does: set False before the
+        micro-batches of a window and True before its last, and call step() only then."""
+        self._boundary_override = bool(is_boundary)
+
+    def was_step_applied(self) -> bool:
+        """Whether the last step() updated the parameters (False between boundaries and
+        on a skipped overflow step)."""
+        return self._step_applied
+
     def step(self, lr_kwargs: dict | None = None) -> None:
-        """End of a micro-step; at the accumulation boundary, the optimizer steps."""
+        """End of a micro-step; at the accumulation boundary, the optimizer steps.
+
+        Counters as DeepSpeed 0.19.8: `micro_steps` counts step() calls; `global_steps`
+        and `global_samples` (by train_batch_size) advance at each boundary, skipped
+        overflow steps included."""
         self._check_alive()
+        self._step_applied = False
         if self.is_gradient_accumulation_boundary():
             if self.optimizer is None:
                 raise EngineError(
@@ -334,13 +407,14 @@ class Engine:
                     "optimizer= to zero3.initialize or add an 'optimizer' config section"
                 )
             with self.timers.time("step"):
-                self._optimizer_step(lr_kwargs)
+                self._step_applied = self._optimizer_step(lr_kwargs)
             self.global_steps += 1
+            self.global_samples += self.config.train_batch_size
             self._report_progress()
         self.micro_steps += 1
-        self.global_samples += self.config.train_micro_batch_size_per_gpu * self.comm.world_size
 
-    def _optimizer_step(self, lr_kwargs: dict | None) -> None:
+    def _optimizer_step(self, lr_kwargs: dict | None) -> bool:
+        """Run the optimizer on the reduced gradients; False when an overflow skipped it."""
         self.reducer.flush()
         divisor = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
         stepped = self.optimizer.step(grad_divisor=divisor)
@@ -352,7 +426,7 @@ class Engine:
                 logger.warning("zero3: gradient overflow (norm %s) at step %d; step skipped%s",
                                self.optimizer.last_grad_norm, self.global_steps,
                                f", loss scale now {self.loss_scaler.scale:g}" if self.loss_scaler else "")
-            return
+            return False
         self._refresh_resident()
         if self.lr_scheduler is not None:
             try:
@@ -360,6 +434,7 @@ class Engine:
             except TypeError:
                 # DeepSpeed's fallback for schedulers whose step() takes the batch size.
                 self.lr_scheduler.step(self.config.train_batch_size)
+        return True
 
     def _report_progress(self) -> None:
         """DeepSpeed's steps_per_print: rank 0 logs step, lr and (with
@@ -414,14 +489,6 @@ class Engine:
             sp.grad_sq_norm = None
             sp.param.grad = None
 
-    def train(self, mode: bool = True) -> "Engine":
-        self.module.train(mode)
-        return self
-
-    def eval(self) -> "Engine":
-        self.module.eval()
-        return self
-
     def gathered_for_generation(self, eval_mode: bool = True):
         """Context: every parameter gathered once, for generate() without per-token
         collectives; sharded again on exit (zero3/generation.py)."""
@@ -429,23 +496,6 @@ class Engine:
         return generation.gathered_for_generation(self, eval_mode)
 
     # --------------------------------------------------------------- queries
-    def get_lr(self) -> list[float]:
-        if self.optimizer is None:
-            return []
-        return [group["lr"] for group in self.optimizer.optimizer.param_groups]
-
-    def get_global_grad_norm(self) -> float | None:
-        return None if self.optimizer is None else self.optimizer.last_grad_norm
-
-    def gradient_accumulation_steps(self) -> int:
-        return self.config.gradient_accumulation_steps
-
-    def train_micro_batch_size_per_gpu(self) -> int:
-        return self.config.train_micro_batch_size_per_gpu
-
-    def train_batch_size(self) -> int:
-        return self.config.train_batch_size
-
     def comm_stats(self) -> dict[str, tuple[int, int]]:
         """op name -> (calls, bytes), cumulative since initialize."""
         return self.comm.counters.snapshot()
@@ -455,14 +505,6 @@ class Engine:
         """Gathers the backward safety net had to make (zero on ordinary models)."""
         return self.fetcher.late_gathers
 
-    @property
-    def world_size(self) -> int:
-        return self.comm.world_size
-
-    @property
-    def global_rank(self) -> int:
-        return self.comm.rank
-
     def sharded_bytes(self) -> dict[str, int]:
         """Bytes this rank holds for parameters, gradients and optimizer state."""
         return export.held_bytes(self)
@@ -470,8 +512,15 @@ class Engine:
     # ------------------------------------------------------------ checkpoints
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True,
                         exclude_frozen_parameters: bool = False) -> bool:
+        """Save the training state under `save_dir/<tag>` (a collective). Inside a
+        gradient-accumulation window the gradients accumulated so far are saved too, and
+        a load goes on from the same micro-step."""
+        if save_dir is None or (isinstance(save_dir, str) and not save_dir.strip()):
+            raise ValueError(f"save_checkpoint(save_dir={save_dir!r}): save_dir must name a directory "
+                             "(e.g. \"checkpoints\"); nothing was written")
         self._check_alive()
         self._settle()
+        self.reducer.flush()
         return checkpoint_io.save(self, save_dir, tag, client_state or {}, save_latest,
                                   exclude_frozen_parameters)
 
@@ -524,6 +573,34 @@ def _give_exclusive_storage(p: nn.Parameter) -> None:
     )
     if not exclusive:
         p.data = p.data.clone(memory_format=torch.contiguous_format)
+
+
+def _hook_output_tensors(output: Any, on_first: Callable[[], None]) -> None:
+    """Call `on_first` once, when a backward first reaches any tensor of `output`
+    (tensors, lists, tuples and dicts such as Hugging Face's ModelOutput)."""
+    tensors = [t for t in _tensors_in(output) if t.grad_fn is not None]
+    if not tensors:
+        return
+    fired = [False]
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        if not fired[0]:
+            fired[0] = True
+            on_first()
+        return grad
+
+    for tensor in tensors:
+        tensor.register_hook(hook)
+
+
+def _tensors_in(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors_in(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors_in(v)]
+    return []
 
 
 def _cast_floating(value: Any, dtype: torch.dtype) -> Any:

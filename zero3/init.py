@@ -168,7 +168,7 @@ class Init:
         if remote_device not in (None, "none", "cpu", "cuda"):
             raise InitError(f"zero3.Init(remote_device={remote_device!r}): use 'cpu' (host shards) or None")
         if not dist.is_initialized():
-            from .api import init_distributed
+            from .distributed import init_distributed
 
             init_distributed()
         self.comm = Communicator()

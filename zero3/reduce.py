@@ -59,6 +59,10 @@ class GradReducer:
         self.deferred_ids: set[int] = set()
         self.deferred: dict[int, torch.Tensor] = {}
         self.pending_numel = 0
+        # Gradients of a backward the engine did not start (a direct loss.backward()) are
+        # divided by this as they are reduced: the accumulation divisor that
+        # engine.backward puts on the loss. engine.backward sets it to 1 while it runs.
+        self.backward_divisor = 1.0
         self.table = {sp.param: sp for sp in params}
         self._handles = [
             sp.param.register_post_accumulate_grad_hook(self._on_grad_accumulated)
@@ -69,7 +73,8 @@ class GradReducer:
     def _accumulate_unsharded(self, group: list[tuple[ShardedParam, torch.Tensor]]) -> None:
         """World size 1: the shard is the whole gradient (shard_numel == numel); no
         staging, nothing but the fp32 accumulation itself."""
-        self.sink.deliver_many([(sp, grad.reshape(-1)) for sp, grad in group])
+        divisor = self.backward_divisor
+        self.sink.deliver_many([(sp, (grad if divisor == 1.0 else grad / divisor).reshape(-1)) for sp, grad in group])
 
     def _pre_scale(self, staging: torch.Tensor) -> None:
         """DeepSpeed's prescale_gradients / gradient_predivide_factor: divide before the
@@ -80,9 +85,13 @@ class GradReducer:
         elif self.predivide_factor != 1.0:
             staging.mul_(1.0 / self.predivide_factor)
 
-    def _post_scale(self, reduced: torch.Tensor) -> None:
-        if not self.prescale and self.predivide_factor != self.comm.world_size:
-            reduced.mul_(self.predivide_factor / self.comm.world_size)
+    def _post_scale(self, reduced: torch.Tensor, divisor: float) -> None:
+        """After the sum: the rest of the mean over ranks, and `divisor` (backward_divisor
+        when the bucket was reduced)."""
+        factor = 1.0 if self.prescale else self.predivide_factor / self.comm.world_size
+        factor /= divisor
+        if factor != 1.0:
+            reduced.mul_(factor)
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -177,19 +186,20 @@ class GradReducer:
         self._pre_scale(staging)
         params = [sp for sp, _ in group]
         del group  # the full gradients are in `staging` now: free them before the collective ends
+        divisor = self.backward_divisor
         self.comm.reduce_scatter_sum_async(
-            reduced, staging.view(-1), lambda: self._accumulate_reduced(params, reduced, staging))
+            reduced, staging.view(-1), lambda: self._accumulate_reduced(params, reduced, staging, divisor))
         if not self.overlap:
             self.comm.drain()
 
     def _accumulate_reduced(self, params: list[ShardedParam], reduced: torch.Tensor,
-                            staging: torch.Tensor) -> None:
+                            staging: torch.Tensor, divisor: float) -> None:
         """The bucket's reduce-scatter is done: add this rank's slice into each `grad_shard`.
 
         `staging` is only kept alive until here (the collective reads it).
         """
         del staging
-        self._post_scale(reduced)
+        self._post_scale(reduced, divisor)
         pieces, offset = [], 0
         for sp in params:
             pieces.append((sp, reduced[offset:offset + sp.shard_numel]))

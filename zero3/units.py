@@ -140,6 +140,17 @@ def z3_leaf_module(module: nn.Module) -> bool:
     return module in _leaf_modules
 
 
+def set_z3_leaf_module(module: nn.Module, flag: bool) -> None:
+    """Declare (or undeclare) this one module a leaf (before zero3.initialize)."""
+    _refuse_if_managed(module, "set_z3_leaf_module")
+    _mark([module], flag)
+
+
+def z3_leaf_parameter(param: nn.Parameter) -> bool:
+    """True if `param` belongs to a module declared a leaf."""
+    return any(any(p is param for p in module.parameters()) for module in list(_leaf_modules))
+
+
 def get_z3_leaf_modules(model: nn.Module) -> list[nn.Module]:
     """The modules inside `model` declared as leaves."""
     return [m for m in model.modules() if m in _leaf_modules]

@@ -1,0 +1,1 @@
+"""`deepspeed.runtime`'s module paths that scripts and libraries import (see zero/)."""
