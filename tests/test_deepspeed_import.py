@@ -283,13 +283,18 @@ def test_unsupported_layouts_refused_by_name(tmp_path: Path):
         assert needle in _refusal(root), needle
 
 
-def test_inspect_recognizes_deepspeed(tmp_path: Path):
+def test_inspect_recognizes_deepspeed(capsys):
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     out = subprocess.run([sys.executable, "-m", "zero3.cli", "checkpoint", "inspect",
                           str(FIXTURES / "llama_lora_bf16_w3" / "ckpt")], capture_output=True, text=True, env=env)
     assert out.returncode == 0, out.stderr
     assert "DeepSpeed ZeRO-3 checkpoint" in out.stdout and "saved on 3 ranks, bfloat16, global step 2" in out.stdout
     assert "client_state keys: epoch" in out.stdout
+
+    from zero3.cli import main
+
+    assert main(["checkpoint", "verify", str(FIXTURES / "seed_fp32_w2" / "ckpt")]) == 1
+    assert "is a DeepSpeed ZeRO-3 checkpoint" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("name", ["seed_bf16_w3_nofrozen", "llama_lora_bf16_w3", "mlp_fp16_w3"])

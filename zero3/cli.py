@@ -47,6 +47,10 @@ def _is_tag_folder(path: Path) -> bool:
 
 def _target(directory: Path, tag: str | None) -> tuple[Path, list[str]]:
     """The tag folder to act on, and problems met while choosing it (printed, exit 1)."""
+    if is_deepspeed_checkpoint(directory, tag):
+        raise ckpt.CheckpointError(
+            f"{directory} is a DeepSpeed ZeRO-3 checkpoint: `zero3 checkpoint inspect` checks it, "
+            f"`zero3 checkpoint import-deepspeed {directory} DST` converts it; verify or export DST")
     if tag is not None:
         folder = directory / tag
         if not folder.is_dir():
