@@ -48,6 +48,10 @@ Choosing what to load (`resolve_tag`):
     *damaged* checkpoint (bad manifest, checksum, size, missing or extra file) is not
     expected and never skipped silently: it raises, naming the files.
 
+A DeepSpeed ZeRO-3 folder (its `latest` and `zero_pp_rank_*` files, ds_layout.py) is
+recognized first and loaded through the same checks and restore, its files read by
+DeepSpeedCheckpoint instead of ShardReader (`_load_deepspeed`).
+
 Loading verifies everything before any state is touched: the manifest and its checksum,
 every file's presence, size and sha256 (shared out across ranks), no extra files, the
 safetensors headers against the layout, the model against the layout, and the pickled
@@ -76,7 +80,7 @@ import random
 import re
 import sys
 import time
-from contextlib import ExitStack
+from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
@@ -85,6 +89,7 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
+from .ds_layout import DeepSpeedCheckpoint, deepspeed_tag_folder
 from .export import (TensorSpec, fsync_dir, master_map, on_every_rank, parameter_aliases, persistent_buffers,
                      save_consolidated, write_safetensors)
 from .partition import ParamState, ShardedParam
@@ -761,6 +766,10 @@ class ShardReader:
         """Tensor `key` as saved by source rank `rank` (not resharded)."""
         return self.handles[rank].get_tensor(key)
 
+    def whole_shape(self, key: str) -> tuple[int, ...]:
+        """The shape of tensor `key` in source rank 0's file, without reading it."""
+        return tuple(self.handles[0].get_slice(key).get_shape())
+
 
 # ----------------------------------------------------------------------- load
 def model_differences(engine: "Engine", manifest: dict[str, Any], strict: bool) -> list[str]:
@@ -815,44 +824,69 @@ def _rename_hints(missing: list, unexpected: list) -> list[str]:
 
 @dataclass
 class _Plan:
-    """Everything a load will write, read and checked before any state is touched."""
+    """Everything a load will write, read and checked before any state is touched.
+
+    `open_reader()` gives a context manager whose value reads the saved tensors by key
+    (`read_range`, `read_whole`, `whole_shape`): a ShardReader for our own format, a
+    DeepSpeedCheckpoint (ds_layout.py) for DeepSpeed's."""
 
     folder: Path
     manifest: dict[str, Any]
     common: dict[str, Any]
     rng: dict[str, Any] | None
     restore_optimizer: bool
+    open_reader: Callable[[], Any]
 
 
 def _plan(engine: "Engine", folder: Path, manifest: dict[str, Any], strict: bool,
           load_optimizer_states: bool, load_lr_scheduler_states: bool, load_module_only: bool) -> _Plan:
-    differences = model_differences(engine, manifest, strict)
+    common = _unpickle_file(folder / COMMON)
+    rank, world = engine.comm.rank, manifest["world_size"]
+    rng = _unpickle_file(folder / state_file(rank, world)) if (rank < world and not load_module_only) else None
+    plan = _Plan(folder, manifest, common, rng, False, lambda: ShardReader(folder, manifest))
+    return _checked_plan(engine, plan, strict, load_optimizer_states, load_lr_scheduler_states, load_module_only)
+
+
+def _checked_plan(engine: "Engine", plan: _Plan, strict: bool, load_optimizer_states: bool,
+                  load_lr_scheduler_states: bool, load_module_only: bool) -> _Plan:
+    """`plan` once the model, optimizer and scheduler are known to fit it (else CheckpointError)."""
+    folder, common = plan.folder, plan.common
+    differences = model_differences(engine, plan.manifest, strict)
     if differences:
         raise CheckpointError(
             f"checkpoint {folder} does not fit the model ({len(differences)} differences; "
             "load_module_strict=False skips missing and unexpected names), nothing was loaded:\n  "
             + "\n  ".join(differences)
         )
-    restore_optimizer = load_optimizer_states and not load_module_only and engine.optimizer is not None
-    common = _unpickle_file(folder / COMMON)
-    if restore_optimizer:
-        _check_optimizer_fits(engine, folder, manifest, common)
+    plan.restore_optimizer = load_optimizer_states and not load_module_only and engine.optimizer is not None
+    if plan.restore_optimizer:
+        _check_optimizer_fits(engine, plan)
     if (not load_module_only and load_lr_scheduler_states and engine.lr_scheduler is not None
-            and common.get("lr_scheduler") is not None
-            and common.get("lr_scheduler_type") != type(engine.lr_scheduler).__qualname__):
-        raise CheckpointError(
-            f"checkpoint {folder} holds the state of a {common.get('lr_scheduler_type')} scheduler, the "
-            f"engine has a {type(engine.lr_scheduler).__qualname__}; use the same scheduler or pass "
-            "load_lr_scheduler_states=False"
-        )
-    rank, world = engine.comm.rank, manifest["world_size"]
-    rng = _unpickle_file(folder / state_file(rank, world)) if (rank < world and not load_module_only) else None
-    return _Plan(folder, manifest, common, rng, restore_optimizer)
+            and common.get("lr_scheduler") is not None):
+        mismatch = _scheduler_mismatch(engine.lr_scheduler, common)
+        if mismatch:
+            raise CheckpointError(
+                f"checkpoint {folder} {mismatch}; use the same scheduler or pass load_lr_scheduler_states=False")
+    return plan
 
 
-def _check_optimizer_fits(engine: "Engine", folder: Path, manifest: dict, common: dict) -> None:
+def _scheduler_mismatch(scheduler: Any, common: dict[str, Any]) -> str | None:
+    """Why the saved scheduler state does not fit `scheduler`, or None. Without a saved
+    type (a DeepSpeed client scheduler), the state's keys must be the scheduler's own."""
+    ours = type(scheduler).__qualname__
+    saved_type = common.get("lr_scheduler_type")
+    if saved_type is not None:
+        return None if saved_type == ours else (
+            f"holds the state of a {saved_type} scheduler, the engine has a {ours}")
+    saved_keys, our_keys = sorted(map(str, common["lr_scheduler"])), sorted(map(str, scheduler.state_dict()))
+    return None if saved_keys == our_keys else (
+        f"holds a scheduler state with keys {saved_keys}, the engine's {ours} has {our_keys}")
+
+
+def _check_optimizer_fits(engine: "Engine", plan: _Plan) -> None:
+    folder, manifest = plan.folder, plan.manifest
     groups = engine.optimizer.optimizer.param_groups
-    saved_groups = common["param_groups"]
+    saved_groups = plan.common["param_groups"]
     if len(saved_groups) != len(groups):
         raise CheckpointError(
             f"checkpoint {folder} has {len(saved_groups)} optimizer param groups, the optimizer "
@@ -861,10 +895,10 @@ def _check_optimizer_fits(engine: "Engine", folder: Path, manifest: dict, common
         )
     if manifest["world_size"] == engine.comm.world_size:
         return
-    with ShardReader(folder, manifest) as reader:
+    with plan.open_reader() as reader:
         for name, entry in manifest["params"].items():
             for key, kind in entry.get("optim", {}).items():
-                if kind == "whole" and reader.handles[0].get_slice(f"optim_whole/{name}/{key}").get_shape():
+                if kind == "whole" and reader.whole_shape(f"optim_whole/{name}/{key}"):
                     raise CheckpointError(
                         f"optimizer state {key!r} of {name} is neither elementwise nor a scalar, so it "
                         f"cannot be resharded from {manifest['world_size']} to {engine.comm.world_size} "
@@ -933,7 +967,7 @@ def _apply(engine: "Engine", plan: _Plan, load_lr_scheduler_states: bool, load_m
     if engine.optimizer is not None:
         groups = {id(p): g for g in engine.optimizer.optimizer.param_groups for p in g["params"]}
     grads: list[tuple[ShardedParam, torch.Tensor]] = []
-    with ShardReader(plan.folder, plan.manifest) as reader:
+    with plan.open_reader() as reader:
         for sp in engine.table.values():
             if sp.name in plan.manifest["params"]:
                 _apply_param(engine, sp, reader, plan, masters, groups)
@@ -957,7 +991,7 @@ def _apply(engine: "Engine", plan: _Plan, load_lr_scheduler_states: bool, load_m
         engine.skipped_steps = common["skipped_steps"]
         if common.get("loss_scaler") is not None and hasattr(engine, "load_loss_scaler_state"):
             engine.load_loss_scaler_state(common["loss_scaler"])
-        if plan.rng is not None:
+        if plan.rng is not None and plan.rng.get("rng") is not None:  # None: imported, saved without RNG
             _set_rng_state(plan.rng["rng"])
         elif engine.comm.rank >= plan.manifest["world_size"]:
             logger.warning("zero3: rank %d has no saved RNG state (checkpoint of %d ranks); its RNG is "
@@ -985,6 +1019,10 @@ def load(engine: "Engine", load_dir, tag, strict: bool, load_optimizer_states: b
     """
     comm = engine.comm
     root = Path(load_dir)
+    deepspeed_folder = _deepspeed_folder(comm, root, tag)
+    if deepspeed_folder is not None:
+        return _load_deepspeed(engine, deepspeed_folder, strict, load_optimizer_states,
+                               load_lr_scheduler_states, load_module_only)
     resolved, warning = on_every_rank(comm, lambda: resolve_tag(root, tag), CheckpointError)
     choices = comm.gather_objects(resolved)
     if any(choice != resolved for choice in choices):
@@ -1007,3 +1045,47 @@ def load(engine: "Engine", load_dir, tag, strict: bool, load_optimizer_states: b
     _apply(engine, plan, load_lr_scheduler_states, load_module_only)
     comm.barrier()
     return str(folder), plan.common["client_state"]
+
+
+# ------------------------------------------------------ DeepSpeed ZeRO-3 folders
+def _deepspeed_folder(comm, root: Path, tag) -> Path | None:
+    """The DeepSpeed ZeRO-3 tag folder (root, tag) names (ds_layout.py), the same on every rank."""
+    found = on_every_rank(comm, lambda: deepspeed_tag_folder(root, tag), CheckpointError)
+    seen = comm.gather_objects(None if found is None else str(found))
+    if any(view != seen[0] for view in seen):
+        raise CheckpointError(f"ranks see different checkpoints in {root}: {seen}; is it on a shared filesystem?")
+    return found
+
+
+def _load_deepspeed(engine: "Engine", folder: Path, strict: bool, load_optimizer_states: bool,
+                    load_lr_scheduler_states: bool, load_module_only: bool):
+    """Load a DeepSpeed ZeRO-3 checkpoint with the checks and restore of our own format.
+
+    Every rank reads (memory-mapped) every source rank's files and takes the elements it
+    owns; DeepSpeed's files hold no RNG state, so the RNG is left as it is. Micro-steps
+    restart at the accumulation boundary after `global_steps`, as in DeepSpeed."""
+    comm = engine.comm
+    source = on_every_rank(comm, lambda: DeepSpeedCheckpoint.open(folder), CheckpointError)
+    try:
+        common = source.common
+        common["micro_steps"] = common["global_steps"] * engine.config.gradient_accumulation_steps
+        plan = on_every_rank(comm, lambda: _checked_plan(
+            engine, _Plan(folder, source.layout, common, None, False, lambda: nullcontext(source)), strict,
+            load_optimizer_states, load_lr_scheduler_states, load_module_only), CheckpointError)
+        _apply(engine, plan, load_lr_scheduler_states, load_module_only)
+    finally:
+        source.close()
+    if comm.rank == 0:
+        _log_deepspeed_load(engine, folder, source)
+    comm.barrier()
+    return str(folder), common["client_state"]
+
+
+def _log_deepspeed_load(engine: "Engine", folder: Path, source: DeepSpeedCheckpoint) -> None:
+    frozen = [sp.name for sp in engine.table.values() if not sp.requires_grad]
+    if source.layout["exclude_frozen_parameters"] and frozen:
+        logger.warning("zero3: %s was saved with exclude_frozen_parameters: the model's own values of its %d "
+                       "frozen parameters are kept (e.g. %s)", folder, len(frozen), frozen[0])
+    logger.info("zero3: loaded DeepSpeed ZeRO-3 checkpoint %s (saved on %d ranks, global step %d) on %d ranks; "
+                "it holds no RNG state, so the RNG was not restored", folder, source.world_size,
+                source.common["global_steps"], engine.comm.world_size)

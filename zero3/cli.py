@@ -3,13 +3,16 @@
     zero3 checkpoint inspect DIR [--json]
     zero3 checkpoint verify  DIR [--tag T | --all]
     zero3 checkpoint export  DIR OUT.safetensors [--tag T] [--dtype fp32|bf16|fp16]
+    zero3 checkpoint import-deepspeed SRC DST [--tag T]
     zero3 estimate (--params N [--trainable N] | --model-config config.json) --world-size W
                    [--config ds_config.json] [--dtype ...] [--offload-param] [--offload-optimizer]
                    [--persistence-threshold N] [--optimizer adamw|sgd|sgd-momentum] [--json]
 
 DIR is a save_dir (holding tags and `latest`) or one tag folder. Without --tag, verify
 and export take the checkpoint a tag-less `engine.load_checkpoint(DIR)` would load.
-Nothing here starts torch.distributed; everything is read from the files.
+Nothing here starts torch.distributed; everything is read from the files. `inspect`
+also recognizes a DeepSpeed ZeRO-3 checkpoint (ds_layout.py) and says what it holds;
+`import-deepspeed` rewrites one as a zero3 checkpoint (ds_import.py).
 
 Exit status: 0 when all is well, 1 when a problem was found (each printed with the file
 it concerns), 2 for a usage error.
@@ -25,6 +28,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from . import checkpoint as ckpt
+from .ds_layout import DeepSpeedCheckpoint, is_deepspeed_checkpoint
+from .ds_unpickle import DeepSpeedCheckpointError
 
 
 def _human(size: int) -> str:
@@ -42,6 +47,10 @@ def _is_tag_folder(path: Path) -> bool:
 
 def _target(directory: Path, tag: str | None) -> tuple[Path, list[str]]:
     """The tag folder to act on, and problems met while choosing it (printed, exit 1)."""
+    if is_deepspeed_checkpoint(directory, tag):
+        raise ckpt.CheckpointError(
+            f"{directory} is a DeepSpeed ZeRO-3 checkpoint: `zero3 checkpoint inspect` checks it, "
+            f"`zero3 checkpoint import-deepspeed {directory} DST` converts it; verify or export DST")
     if tag is not None:
         folder = directory / tag
         if not folder.is_dir():
@@ -78,6 +87,8 @@ def _tag_row(info: ckpt.TagInfo) -> dict:
 
 
 def inspect(directory: Path, as_json: bool) -> int:
+    if is_deepspeed_checkpoint(directory):
+        return inspect_deepspeed(directory, as_json)
     if _is_tag_folder(directory):
         infos, latest = [ckpt.tag_info(directory)], None
     else:
@@ -103,6 +114,38 @@ def inspect(directory: Path, as_json: bool) -> int:
         else:
             print(f"{r['tag']:<24} {'NO':<9} {'-':>7} {'-':>5} {'-':>7} {r['files']:>5} "
                   f"{_human(r['size_bytes']):>10}  incomplete: {r['problem']}")
+    return 0
+
+
+def inspect_deepspeed(directory: Path, as_json: bool) -> int:
+    """What a DeepSpeed ZeRO-3 checkpoint holds (validated: every rank file, element counts)."""
+    with DeepSpeedCheckpoint.open(directory) as source:
+        info = source.describe()
+    if as_json:
+        print(json.dumps({"directory": str(directory), "deepspeed": info}, indent=1))
+        return 0
+    print(f"DeepSpeed ZeRO-3 checkpoint {directory}: tag {info['tag']}, DeepSpeed {info['ds_version']}")
+    print(f"  saved on {info['world_size']} ranks, {info['compute_dtype']}, global step {info['global_steps']} "
+          f"({info['global_samples']} samples, {info['skipped_steps']} skipped)")
+    frozen = "saved" if info["frozen_saved"] else "left out (exclude_frozen_parameters)"
+    print(f"  {info['params']} parameters, {info['elements']:,} elements; {info['trainable']} trainable "
+          f"({info['trainable_elements']:,} elements) in {info['sub_groups']} sub-groups and "
+          f"{info['param_groups']} param groups; frozen parameters {frozen}; {info['buffers']} buffers")
+    print(f"  optimizer state: {', '.join(info['optimizer_state']) or 'none (never stepped)'}; lr scheduler: "
+          f"{info['lr_scheduler'] or 'none'}; loss scale: {info['loss_scale'] if info['loss_scale'] else 'none'}")
+    print(f"  client_state keys: {', '.join(info['client_state_keys']) or 'none'}")
+    print(f"  resume it with engine.load_checkpoint({str(directory)!r}) on any number of ranks, or convert it: "
+          f"zero3 checkpoint import-deepspeed {directory} DST")
+    return 0
+
+
+def import_deepspeed(src: Path, dst: Path, tag: str | None) -> int:
+    from .ds_import import import_deepspeed as run_import
+
+    summary = run_import(src, dst, tag)
+    print(f"wrote {summary['folder']}: {summary['params']} parameters, {_human(summary['bytes'])}, global step "
+          f"{summary['global_steps']} (saved by DeepSpeed on {summary['source_world_size']} ranks; loads on any "
+          f"number); {dst / ckpt.LATEST} -> {summary['tag']}")
     return 0
 
 
@@ -219,6 +262,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("out", type=Path)
     p.add_argument("--tag", help="the tag to export (default: what a tag-less load would pick)")
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
+    p = actions.add_parser("import-deepspeed", help="rewrite a DeepSpeed ZeRO-3 checkpoint as a zero3 checkpoint")
+    p.add_argument("dir", type=Path, help="the DeepSpeed save_dir (with latest) or tag folder")
+    p.add_argument("dst", type=Path, help="the zero3 save_dir to write (its tag folder must not exist)")
+    p.add_argument("--tag", help="the DeepSpeed tag to import (default: the one `latest` names)")
     p = commands.add_parser("estimate", help="per-rank memory of a model for a world size and config")
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--params", type=int, help="a parameter count")
@@ -252,8 +299,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return inspect(args.dir, args.json)
         if args.action == "verify":
             return verify(args.dir, args.tag, args.all)
+        if args.action == "import-deepspeed":
+            return import_deepspeed(args.dir, args.dst, args.tag)
         return export(args.dir, args.out, args.tag, args.dtype)
-    except ckpt.CheckpointError as exc:
+    except (ckpt.CheckpointError, DeepSpeedCheckpointError) as exc:
         print(f"zero3: {exc}", file=sys.stderr)
         return 1
 

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Regenerate the DeepSpeed ZeRO-3 checkpoint fixtures (tests/fixtures/deepspeed/) with real
+# DeepSpeed 0.19.8 on CPU (gloo ranks). DeepSpeed lives in its own venv and is never a
+# dependency of zero3:
+#
+#   bash scripts/make_deepspeed_fixtures.sh                 # every fixture
+#   VENV=/path/to/venv bash scripts/make_deepspeed_fixtures.sh seed_fp32_w2 mlp_fp16_w3
+#
+# DS_BUILD_OPS=0: no C++/CUDA op is compiled at install time (on CPU, DeepSpeed builds its
+# shared-memory comm op with ninja the first time it runs, into ~/.cache/torch_extensions).
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${VENV:-$ROOT/.venv-deepspeed}"
+PY="${PYTHON:-python3}"
+
+if [ ! -x "$VENV/bin/python" ]; then
+    "$PY" -m venv "$VENV"
+fi
+PIP="$VENV/bin/python -m pip"
+if ! "$VENV/bin/python" -c "import deepspeed, transformers, peft" 2>/dev/null; then
+    $PIP install --upgrade pip setuptools wheel
+    $PIP install "torch==2.13.0"
+    # DeepSpeed's setup.py imports torch and these: install them first.
+    $PIP install numpy packaging psutil py-cpuinfo pydantic tqdm hjson msgpack ninja einops
+    DS_BUILD_OPS=0 $PIP install --no-build-isolation "deepspeed==0.19.8"
+    $PIP install "transformers==5.19.0" "peft==0.21.2" "accelerate==1.16.0"
+fi
+
+cd "$ROOT"
+DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 PYTHONWARNINGS=ignore HF_HUB_OFFLINE=1 \
+    "$VENV/bin/python" tests/fixtures/deepspeed/generate.py "$@"
