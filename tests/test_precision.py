@@ -314,3 +314,16 @@ def test_steps_per_print_and_wall_clock_breakdown():
     assert len(lines) == 2 and lines[0].startswith("zero3: step=2") and lines[1].startswith("zero3: step=4")
     assert "forward=" in lines[0] and "backward=" in lines[0] and "step=" in lines[0]
     assert rank1 == ""
+
+
+def test_dynamic_scale_grows_when_deepspeeds_scaler_does():
+    """DeepSpeed 0.19.8's DynamicLossScaler doubles on a good update that follows `window`
+    good updates since the last overflow (or the start), not on the window-th one."""
+    from zero3.precision import LossScaler
+
+    scaler = LossScaler(scale=2.0 ** 17, dynamic=True, window=2, hysteresis=1, hysteresis_left=1)
+    scales = []
+    for overflow in (False, False, False, True, False, False, False):
+        scaler.update(overflow)
+        scales.append(scaler.scale)
+    assert scales == [2.0 ** p for p in (17, 17, 18, 17, 17, 17, 18)]

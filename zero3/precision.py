@@ -2,8 +2,9 @@
 
 Dynamic scaling: the loss is multiplied by `scale` before backward. A step whose global
 gradient norm is inf or nan is skipped and, once `hysteresis` overflows have been
-absorbed, the scale is divided by 2 (never below `min_scale`). After `window`
-consecutive steps without overflow the scale is doubled. `consecutive_hysteresis`
+absorbed, the scale is divided by 2 (never below `min_scale`). The scale is doubled on a
+good step that follows `window` (or a multiple of it) good steps since the last
+overflow (or the start), as DeepSpeed 0.19.8's DynamicLossScaler counts. `consecutive_hysteresis`
 refills the hysteresis budget on every good step instead of only when the scale grows.
 A static scale (`loss_scale` > 0 in the config) never changes.
 """
@@ -52,7 +53,8 @@ class LossScaler:
             else:
                 if self.consecutive_hysteresis:
                     self.hysteresis_left = self.hysteresis
-                if (self.iteration - self.last_overflow_iteration) % self.window == 0:
+                stable = self.iteration - self.last_overflow_iteration - 1  # good updates before this one
+                if stable > 0 and stable % self.window == 0:
                     if not self.consecutive_hysteresis:
                         self.hysteresis_left = self.hysteresis
                     self.scale *= self.factor
