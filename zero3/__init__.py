@@ -7,10 +7,10 @@
 from __future__ import annotations
 
 
-from . import zero
+from . import comm, ops, runtime, utils, zero
 from .version import __version__
 from .api import initialize
-from .distributed import init_distributed
+from .distributed import add_config_arguments, init_distributed
 from .checkpoint import CheckpointError
 from .config import ConfigError
 from .engine import Engine, EngineError
@@ -24,7 +24,7 @@ from .zero import Init
 DeepSpeedEngine = Engine
 
 __all__ = [
-    "CheckpointError", "ConfigError", "DivergenceError", "DeepSpeedEngine", "Engine", "EngineError",
+    "CheckpointError", "ConfigError", "add_config_arguments", "comm", "ops", "runtime", "utils", "DivergenceError", "DeepSpeedEngine", "Engine", "EngineError",
     "GatheredParameters", "Init", "estimate_memory", "gathered_for_generation", "init_distributed", "initialize",
     "register_external_parameter", "set_z3_leaf_modules", "set_z3_leaf_modules_by_name",
     "set_z3_leaf_modules_by_suffix", "unset_z3_leaf_modules", "zero",

@@ -72,3 +72,12 @@ def register_exit_teardown() -> None:
     if not _exit_teardown_registered:
         atexit.register(_destroy_process_group_at_exit)
         _exit_teardown_registered = True
+
+
+def add_config_arguments(parser):
+    """DeepSpeed's `add_config_arguments`: `--deepspeed` and `--deepspeed_config` (the
+    latter is what `zero3.initialize(args=...)` reads when `config=` is not given)."""
+    group = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations")
+    group.add_argument("--deepspeed", default=False, action="store_true", help="train with zero3")
+    group.add_argument("--deepspeed_config", default=None, type=str, help="DeepSpeed JSON configuration file")
+    return parser

@@ -223,3 +223,30 @@ def coalesced_reduction(rank: int, world: int):
 
 def test_coalesce_grad_reduction_matches_reducing_every_backward():
     assert run_ranks(coalesced_reduction, 2) == [True, True]
+
+
+def test_deepspeed_script_helpers_ops_and_arguments(tmp_path):
+    """`deepspeed.add_config_arguments`, `initialize(args=...)` reading --deepspeed_config, and
+    `deepspeed.ops.adam`'s optimizers as torch's (in one process: world size 1)."""
+    import argparse
+    import json
+
+    import zero3 as deepspeed
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(config(MICRO, 1)))
+    args = deepspeed.add_config_arguments(argparse.ArgumentParser()).parse_args(
+        ["--deepspeed", "--deepspeed_config", str(path)])
+    assert args.deepspeed and args.deepspeed_config == str(path)
+    model = make_model()
+    optimizer = deepspeed.ops.adam.FusedAdam(model.parameters(), lr=1e-3, weight_decay=0.01)
+    assert type(optimizer) is torch.optim.AdamW and optimizer.defaults["weight_decay"] == 0.01
+    cpu_adam = deepspeed.ops.adam.DeepSpeedCPUAdam(make_model().parameters(), adamw_mode=False)
+    assert type(cpu_adam) is torch.optim.Adam
+    engine, client, _, _ = deepspeed.initialize(args=args, model=model, optimizer=optimizer, dist_init_required=False)
+    assert client is optimizer and engine.train_micro_batch_size_per_gpu() == MICRO
+    x, y = make_batches(1, MICRO)[0]
+    engine.backward(engine(x, y))
+    engine.step()
+    assert engine.global_steps == 1 and engine.was_step_applied()
+    engine.destroy()
