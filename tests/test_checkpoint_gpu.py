@@ -84,7 +84,8 @@ def test_exact_resume_on_cuda_restores_the_cuda_rng(tmp_path=None):
 def test_bf16_pinned_offload_round_trip_and_exports_on_cuda(tmp_path=None):
     from safetensors.torch import load_file
 
-    from zero3.export import consolidated_state_dict, export_checkpoint
+    from zero3.export import consolidated_state_dict
+    from zero3.offline_export import export_checkpoint
 
     tmp_path = Path(tmp_path or tempfile.mkdtemp())
     offload = {"offload_optimizer": {"device": "cpu", "pin_memory": True}}

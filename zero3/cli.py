@@ -180,7 +180,7 @@ def verify(directory: Path, tag: str | None, every: bool) -> int:
 
 # ---------------------------------------------------------------------- export
 def export(directory: Path, out: Path, tag: str | None, dtype_name: str) -> int:
-    from .export import EXPORT_DTYPES, export_checkpoint
+    from .offline_export import EXPORT_DTYPES, export_checkpoint
 
     folder, problems = _target(directory, tag)
     for problem in problems:
