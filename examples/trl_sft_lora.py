@@ -98,7 +98,7 @@ def sft_config(output_dir: str | Path, max_steps: int, save_steps: int = 0, reen
     from trl import SFTConfig
 
     values = dict(output_dir=str(output_dir), per_device_train_batch_size=1,
-                  gradient_accumulation_steps=accumulation, max_steps=max_steps, learning_rate=5e-3,
+                  gradient_accumulation_steps=accumulation, max_steps=max_steps, learning_rate=2e-2,
                   lr_scheduler_type="linear", warmup_steps=1, logging_steps=1, report_to=[], seed=0,
                   save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
                   gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": reentrant},
