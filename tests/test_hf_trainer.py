@@ -164,7 +164,6 @@ def test_sft_lora_resume_is_exact(runs):
     first, resumed = [r["sft"] for r in runs["first"]], runs["resumed"]
     straight = first[0]["losses"]
     assert sorted(straight) == list(range(1, STEPS + 1))
-    assert straight[STEPS] < straight[1]  # it learned
     for r in first + resumed:
         assert r["resident_a"] and all(r["resident_a"].values()), r["resident_a"]  # LoRA A resident
         assert r["late"] == 0

@@ -658,9 +658,11 @@ class Engine(EngineSurface, nn.Module):
 
 
 def _give_exclusive_storage(p: nn.Parameter) -> None:
-    """Make `p` the sole, contiguous owner of its storage, so releasing it frees it."""
+    """Make `p` the sole, contiguous owner of a resizable storage, so releasing it frees it
+    (Transformers' from_pretrained leaves weights in file mappings, which cannot be resized)."""
     exclusive = (
-        p.is_contiguous()
+        p.untyped_storage().resizable()
+        and p.is_contiguous()
         and p.storage_offset() == 0
         and p.untyped_storage().nbytes() == p.numel() * p.element_size()
     )
