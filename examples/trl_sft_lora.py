@@ -162,6 +162,7 @@ def main() -> None:
     trainer.train(resume_from_checkpoint=True if options.resume else None)
     trainer.save_model(str(folder / "adapter"))
     if trainer.is_world_process_zero():
+        print(f"world {trainer.args.world_size} distributed {trainer.accelerator.distributed_type}", flush=True)
         for step, loss in sorted(log.losses.items()):
             print(f"step {step} loss {loss!r}", flush=True)
 
