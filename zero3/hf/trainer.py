@@ -94,7 +94,7 @@ class Zero3TrainerMixin:
         optimizer = scheduler_factory = None
         if training:
             if "optimizer" not in config:
-                optimizer = self.create_optimizer()
+                optimizer = _without_empty_groups(self.create_optimizer())
             if "scheduler" not in config:
                 scheduler_factory = functools.partial(self._zero3_trainer_scheduler, max_steps)
         else:
@@ -191,6 +191,14 @@ class Zero3TrainerMixin:
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
         return None
+
+
+def _without_empty_groups(optimizer: Any) -> Any:
+    """The Trainer's optimizer without its empty param groups (a LoRA model has no parameter
+    in the Trainer's no-weight-decay group), as DeepSpeed keeps it: so the groups of a
+    checkpoint that DeepSpeed wrote match this optimizer's."""
+    optimizer.param_groups[:] = [group for group in optimizer.param_groups if group["params"]]
+    return optimizer
 
 
 @functools.cache
