@@ -905,7 +905,7 @@ def test_06_rank_skipping_a_sharded_module_fails_fast_naming_it(world):
 
 # ============================================================================ 10. attach after init
 def attach_after_initialize_worker(rank: int, world: int):
-    from zero3.fetch import UnmanagedParameterError
+    from zero3.discovery import UnmanagedParameterError
 
     c = Case(build=Small, threshold=0)
     engine = initialize(build_seeded(c, 0), c, "zero3")

@@ -37,6 +37,7 @@ from .precision import LossScaler
 from .timers import StepTimers, ThroughputTimer
 from .reduce import GradReducer
 from .schedule import PrefetchPolicy
+from .wire import gather_rows, group_by_dtype
 from .units import build_units, choose_persistent
 
 logger = logging.getLogger("zero3")
@@ -162,7 +163,7 @@ class Engine(EngineSurface, nn.Module):
             unit_order=self.fetcher.params_in_forward_order if overlap else None,
         )
         if overlap:
-            self.fetcher.shard_fence = sharded.background.wait_for
+            self.fetcher.wire.shard_fence = sharded.background.wait_for
             self.reducer.sink.fence = sharded.background.wait
         return sharded
 
@@ -253,8 +254,7 @@ class Engine(EngineSurface, nn.Module):
 
     def _gather_resident(self, sp: ShardedParam) -> None:
         """SHARDED -> FULL for good: a persistent parameter that arrived partitioned."""
-        rows = torch.empty(sp.world_size, sp.shard_numel, dtype=sp.dtype, device=self.device)
-        self.comm.all_gather_into(rows.view(-1), sp.shard.to(self.device))
+        rows = gather_rows(self.comm, sp.shard, self.device)
         sp.begin_gather()
         sp.finish_gather(rows)
 
@@ -523,15 +523,8 @@ class Engine(EngineSurface, nn.Module):
         """Resident parameters get their new values from every rank's updated shard."""
         resident = [sp for sp in self.optimizer.params if sp.persistent and sp.numel and not sp.aliased]
         self.optimizer.background.wait_for(resident)  # their sub-group runs first
-        by_dtype: dict[torch.dtype, list[ShardedParam]] = {}
-        for sp in resident:
-            by_dtype.setdefault(sp.dtype, []).append(sp)
-        for dtype, group in by_dtype.items():
-            total = sum(sp.shard_numel for sp in group)
-            send = torch.cat([sp.shard.to(self.device) for sp in group])
-            recv = torch.empty(self.comm.world_size * total, dtype=dtype, device=self.device)
-            self.comm.all_gather_into(recv, send)
-            rows = recv.view(self.comm.world_size, total)
+        for _, group in group_by_dtype(resident):
+            rows = gather_rows(self.comm, torch.cat([sp.shard.to(self.device) for sp in group]), self.device)
             offset = 0
             for sp in group:
                 sp.refresh(rows[:, offset:offset + sp.shard_numel])

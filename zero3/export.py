@@ -32,6 +32,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 from torch import nn
 
+from .wire import gather_rows
+
 if TYPE_CHECKING:
     from .engine import Engine
     from .partition import ShardedParam
@@ -223,9 +225,8 @@ def gather_full(engine: "Engine", sp: "ShardedParam", local: torch.Tensor) -> to
     comm = engine.comm
     if local.numel() != sp.shard_numel:
         raise ExportError(f"{sp.name}: a shard-shaped tensor has {local.numel()} elements, expected {sp.shard_numel}")
-    rows = torch.empty(comm.world_size * sp.shard_numel, dtype=local.dtype, device=engine.device)
-    comm.all_gather_into(rows, local.detach().to(engine.device).reshape(-1))
-    return rows[: sp.numel].view(sp.shape)
+    rows = gather_rows(comm, local, engine.device)
+    return rows.view(-1)[: sp.numel].view(sp.shape)
 
 
 def master_map(engine: "Engine") -> dict[int, torch.Tensor]:

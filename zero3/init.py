@@ -44,6 +44,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .accelerator import get_accelerator
 from .comm import Communicator
 from .partition import owned_range, shard_numel_for
+from .wire import gather_rows
 
 
 class InitError(RuntimeError):
@@ -282,12 +283,9 @@ class Init:
             if param is overwritten:
                 continue
             flat = param.data.view(-1)
-            padded = record.shard_numel * record.world_size
-            rows = flat if padded == flat.numel() else torch.empty(padded, dtype=param.dtype, device=flat.device)
-            self.comm.all_gather_into(rows, record.shard.to(self.compute_device))
-            if rows is not flat:
-                with torch.no_grad():
-                    flat.copy_(rows[:flat.numel()])
+            rows = gather_rows(self.comm, record.shard, self.compute_device).view(-1)
+            with torch.no_grad():
+                flat.copy_(rows[:flat.numel()])
 
     def settle_unless_aliased(self, params: list[torch.Tensor], result: Any) -> None:
         """After a call: settle each of its parameters at once, unless the call returned
