@@ -74,7 +74,6 @@ import hashlib
 import io
 import json
 import logging
-import math
 import os
 import random
 import re
@@ -92,7 +91,7 @@ from safetensors import safe_open
 from .ds_layout import DeepSpeedCheckpoint, deepspeed_tag_folder
 from .export import (TensorSpec, fsync_dir, master_map, on_every_rank, parameter_aliases, persistent_buffers,
                      save_consolidated, write_safetensors)
-from .partition import ParamState, ShardedParam
+from .partition import ParamState, ShardedParam, owned_range, shard_numel_for
 from .version import __version__
 
 if TYPE_CHECKING:
@@ -129,13 +128,6 @@ def shard_file(rank: int, world: int) -> str:
 
 def state_file(rank: int, world: int) -> str:
     return f"rank{rank:05d}-of-{world:05d}.state.pt"
-
-
-def owned_range(numel: int, rank: int, world: int) -> tuple[int, int]:
-    """[start, end) of the flattened elements rank `rank` of `world` owns (partition.py)."""
-    shard = math.ceil(numel / world) if numel else 0
-    start = min(rank * shard, numel)
-    return start, min(start + shard, numel)
 
 
 def expected_files(world: int) -> list[str]:
@@ -611,7 +603,7 @@ def _header_problems(path: Path, manifest: dict[str, Any]) -> list[str]:
     except Exception as exc:  # noqa: BLE001 - named
         return [f"{path}: unreadable safetensors ({exc})"]
     for name, entry in manifest["params"].items():
-        start, end = owned_range(entry["numel"], rank, world)
+        start, end = owned_range(entry["numel"], shard_numel_for(entry["numel"], world), rank)
         wanted = {f"param/{name}": (end - start,)}
         if entry.get("master"):
             wanted[f"master/{name}"] = (end - start,)
@@ -753,7 +745,7 @@ class ShardReader:
         """Elements [start, end) of the flattened tensor `key` (numel elements in all)."""
         pieces = []
         for src in range(self.world):
-            src_start, src_end = owned_range(numel, src, self.world)
+            src_start, src_end = owned_range(numel, shard_numel_for(numel, self.world), src)
             lo, hi = max(start, src_start), min(end, src_end)
             if lo >= hi:
                 continue

@@ -185,7 +185,10 @@ class Fetcher:
         on_backward_end: Callable[[], None],
         on_leaf_backward: Callable[[list[ShardedParam]], None] | None = None,
         policy: PrefetchPolicy = PrefetchPolicy(),
+        shard_fence: Callable[[list[ShardedParam]], None] | None = None,
     ) -> None:
+        """`shard_fence(group)`: called before a group's shards are read for a gather (an
+        optimizer update running behind the forward publishes them one sub-group at a time)."""
         self.root = root
         self.table = table
         self.units = units
@@ -216,7 +219,7 @@ class Fetcher:
         self.guard = GatherGuard(names, comm.gather_objects, comm.rank, comm.world_size)
         param_index = {id(sp): i for i, sp in enumerate(table.values())}
         self.wire = GatherWire(comm, compute_device, self.guard, param_index,
-                               any(sp.shard.device.type == "cpu" for sp in table.values()))
+                               any(sp.shard.device.type == "cpu" for sp in table.values()), shard_fence)
         self.lookahead = LookAhead(units, self.schedule, policy, self.wire, comm, self.drop)
         self.discovery = AccessDiscovery(root, table, not self.all_resident, self.on_access, self._late_use)
         self.guard.seed(self._static_sites())

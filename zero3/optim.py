@@ -59,9 +59,11 @@ class ShardedOptimizer:
         pin_memory: bool = False,
         sub_group_numel: int = 0,
         unit_order: UnitOrder | None = None,
+        background: BackgroundStep | None = None,
     ) -> None:
         """`sub_group_numel`: elements per optimizer call (0: all at once). `unit_order`:
-        given only when the update is to run behind the next forward (see the module doc)."""
+        given only when the update is to run behind the next forward (see the module doc), on
+        `background`, the worker the fetcher and gradient sink were built to wait for."""
         self.optimizer = optimizer
         self.comm = comm
         self.master_device = master_device
@@ -73,7 +75,7 @@ class ShardedOptimizer:
         self._last_norm: torch.Tensor | float | None = None
         self.sub_group_numel = max(int(sub_group_numel), 0)
         self.unit_order = unit_order
-        self.background = BackgroundStep()
+        self.background = background or BackgroundStep()
         self._shadows: dict[tuple[int, ...], torch.optim.Optimizer] = {}
         self._remap_param_groups(table)
         self._client_group_of = [

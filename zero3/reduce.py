@@ -24,11 +24,14 @@ them, and for the sink's host copies: after it, every `grad_shard` is complete.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from .comm import Communicator
 from .grad_sink import GradSink
 from .partition import ShardedParam
+from .wire import group_by_dtype
 
 
 class GradReducer:
@@ -44,9 +47,11 @@ class GradReducer:
         prescale: bool = False,
         predivide_factor: float = 1.0,
         overlap: bool = True,
+        fence: Callable[[], None] | None = None,
     ) -> None:
         """`overlap` (DeepSpeed's overlap_comm): False waits for each bucket's
-        reduce-scatter before backward goes on (less memory in flight, no overlap)."""
+        reduce-scatter before backward goes on (less memory in flight, no overlap).
+        `fence`: called before a gradient shard is written (GradSink)."""
         self.comm = comm
         self.overlap = overlap
         self.prescale = prescale
@@ -54,7 +59,7 @@ class GradReducer:
         self.bucket_numel = max(int(bucket_numel), 1)
         self.reduce_dtype = reduce_dtype
         self.grad_device = grad_device
-        self.sink = GradSink(params, grad_device, staging_bytes=4 * 2 * self.bucket_numel)
+        self.sink = GradSink(params, grad_device, staging_bytes=4 * 2 * self.bucket_numel, fence=fence)
         self.pending: list[tuple[ShardedParam, torch.Tensor]] = []
         self.deferred_ids: set[int] = set()
         self.deferred: dict[int, torch.Tensor] = {}
@@ -197,11 +202,7 @@ class GradReducer:
         if not self.pending:
             return
         pending, self.pending, self.pending_numel = self.pending, [], 0
-        by_dtype: dict[torch.dtype, list[tuple[ShardedParam, torch.Tensor]]] = {}
-        for sp, grad in pending:
-            dtype = self.reduce_dtype or grad.dtype
-            by_dtype.setdefault(dtype, []).append((sp, grad))
-        for dtype, group in by_dtype.items():
+        for dtype, group in group_by_dtype(pending, lambda item: self.reduce_dtype or item[1].dtype):
             self._reduce_group(group, dtype)
 
     def _reduce_group(self, group: list[tuple[ShardedParam, torch.Tensor]], dtype: torch.dtype) -> None:

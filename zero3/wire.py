@@ -61,13 +61,14 @@ class GatherWire:
     """Guarded, coalesced all-gathers of parameter groups (synchronous and prefetched)."""
 
     def __init__(self, comm: Communicator, compute_device: torch.device, guard: GatherGuard,
-                 param_index: dict[int, int], shards_on_host: bool) -> None:
+                 param_index: dict[int, int], shards_on_host: bool,
+                 shard_fence: Callable[[list[ShardedParam]], None] | None = None) -> None:
         self.comm = comm
         self.compute_device = compute_device
         self.guard = guard
         self._param_index = param_index  # id(ShardedParam) -> position in the parameter table
         self.live_numel = 0
-        self.shard_fence: Callable[[list[ShardedParam]], None] | None = None
+        self.shard_fence = shard_fence
         self.side_stream = torch.cuda.Stream(compute_device) if compute_device.type == "cuda" else None
         self.shards_on_host = self.side_stream is not None and shards_on_host
         self._shards_ready: torch.cuda.Event | None = None
