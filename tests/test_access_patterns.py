@@ -744,17 +744,6 @@ def test_05_control_flow_changing_between_steps(world, tmp_path):
     check_cases(["changing_control_flow", "changing_control_flow_resident"], world, tmp_path)
 
 
-def _reducer_reduces_leaves() -> bool:
-    from zero3.reduce import GradReducer
-
-    return hasattr(GradReducer, "reduce_deferred")
-
-
-@pytest.mark.xfail(
-    condition=not _reducer_reduces_leaves(), strict=True,
-    reason="needs reduce.py/engine.py support for leaf gradients (GradReducer.defer / reduce_deferred, "
-           "called through Fetcher(on_leaf_backward=...)): the reducer packs gradients in arrival "
-           "order, which inside a leaf differs between ranks, so the averaged gradients are wrong")
 @pytest.mark.parametrize("world", WORLDS)
 def test_06_rank_dependent_control_flow_in_a_leaf(world, tmp_path):
     """Each rank routes to different experts; the MoE block is a leaf three ways."""
