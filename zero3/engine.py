@@ -30,7 +30,8 @@ from .fetch import Fetcher
 from .gathered import register_engine, unregister_engine
 from .optim import ShardedOptimizer
 from .optimizers import build_optimizer, build_scheduler
-from .init import claim_init_shard
+from .init import claim_init_shard, init_shard_of
+from .released import guard_state_dict, refuse_released
 from .param_status import mark_managed
 from .partition import ParamState, ShardedParam
 from .precision import LossScaler
@@ -170,6 +171,11 @@ class Engine(EngineSurface, nn.Module):
     def _prepare_module(self, model: nn.Module) -> nn.Module:
         if not isinstance(model, nn.Module):
             raise TypeError(f"zero3.initialize(model=...) expects an nn.Module, got {type(model).__name__}")
+        for name, p in model.named_parameters():
+            if init_shard_of(p) is None:
+                refuse_released(p, "zero3.initialize", name, fix="it was sharded by another engine or zero3.Init "
+                                "context that no longer manages it; build the model afresh (or destroy() the "
+                                "other engine first, which gathers its parameters back)")
         self.init_shards = self._claim_init_shards(model)
         model.to(self.device)
         if self.compute_dtype != torch.float32:
@@ -178,6 +184,8 @@ class Engine(EngineSurface, nn.Module):
                 if p.is_floating_point() and p not in self.init_shards:
                     p.data = p.data.to(self.compute_dtype)
         built_full = [p for p in model.parameters() if p not in self.init_shards]
+        for module in model.modules():
+            guard_state_dict(module)  # module.state_dict() outside GatheredParameters: meta, not freed memory
         self._broadcast_from_rank0(built_full + list(model.buffers()))  # Init's shards are rank 0's already
         return model
 
