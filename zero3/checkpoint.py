@@ -89,6 +89,9 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
+from .checkpoint_errors import (CheckpointArrivalError, CheckpointError, CheckpointPathError, CheckpointWriteError,
+                                ManifestError)
+from .checkpoint_paths import checked_tag, read_pointer
 from .ds_layout import DeepSpeedCheckpoint, deepspeed_tag_folder
 from .export import (TensorSpec, fsync_dir, master_map, on_every_rank, parameter_aliases, persistent_buffers,
                      save_consolidated, write_safetensors)
@@ -116,10 +119,6 @@ _OURS = re.compile(
     r"^(rank\d{5}-of-\d{5}\.(safetensors|state\.pt)|" + re.escape(COMMON) + "|"
     + re.escape(MODEL_16BIT) + "|" + re.escape(MANIFEST) + r")(\.tmp)?$"
 )
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is incomplete, damaged, or does not fit the model."""
 
 
 # ---------------------------------------------------------------------- names
@@ -503,7 +502,8 @@ def seal(manifest: dict[str, Any]) -> dict[str, Any]:
 
 
 def _check_tag_name(tag: str) -> None:
-    if not tag or "/" in tag or "\\" in tag or tag in (".", "..") or tag.startswith("."):
+    checked_tag(tag, "save_checkpoint's tag argument")
+    if str(tag).startswith("."):
         raise CheckpointError(f"checkpoint tag {tag!r} is not a valid folder name; use e.g. 'global_step100'")
 
 
@@ -686,15 +686,16 @@ def _age(info: TagInfo) -> tuple:
 
 
 def read_latest(root: Path) -> str | None:
-    latest = Path(root) / LATEST
-    return latest.read_text().strip() if latest.is_file() else None
+    """The tag `root/latest` names (checked: a folder directly inside `root`), None if no file."""
+    return read_pointer(Path(root) / LATEST)
 
 
 def resolve_tag(root: Path, tag) -> tuple[str | None, str | None]:
     """(tag to load or None, warning or None), by the rules in the module docstring."""
     root = Path(root)
     if tag is not None:
-        if not (root / str(tag)).is_dir():
+        tag = checked_tag(tag, "the tag argument")
+        if not (root / tag).is_dir():
             return None, f"zero3: checkpoint tag {str(tag)!r} not found in {root}; nothing was loaded"
         return str(tag), None
     named = read_latest(root)
