@@ -36,6 +36,7 @@ from .param_status import mark_managed
 from .partition import ParamState, ShardedParam
 from .precision import LossScaler
 from .timers import StepTimers, ThroughputTimer
+from .rank_agreement import check_ranks_agree, config_items, model_items, optimizer_items
 from .reduce import GradReducer
 from .schedule import PrefetchPolicy
 from .units import build_units, choose_persistent
@@ -82,6 +83,9 @@ class Engine(EngineSurface, nn.Module):
             LossScaler.from_precision(config.precision) if self.compute_dtype == torch.float16 else None
         )
         self._init_counters()
+        if isinstance(model, nn.Module):  # before any other collective: ranks that disagree fail here
+            check_ranks_agree(self.comm, self.device, {
+                **config_items(config), **optimizer_items(optimizer), **model_items(model)})
         self._gc_disabled_here = diagnostics.apply_process_settings(config)
         self.module = self._prepare_module(model)
         self.named_params = list(self.module.named_parameters())
