@@ -23,6 +23,7 @@ from torch import nn
 from . import checkpoint as checkpoint_io
 from . import diagnostics, export, generation
 from .accelerator import get_accelerator
+from .arrival import check_in
 from .comm import Communicator
 from .config import Zero3Config
 from .engine_surface import EngineSurface
@@ -610,6 +611,7 @@ class Engine(EngineSurface, nn.Module):
             raise ValueError(f"save_checkpoint(save_dir={save_dir!r}): save_dir must name a directory "
                              "(e.g. \"checkpoints\"); nothing was written")
         self._check_alive()
+        check_in("save_checkpoint", self.comm.rank, self.comm.world_size, self.config.checkpoint_arrival_timeout)
         self._settle()
         self.reducer.flush()
         return checkpoint_io.save(self, save_dir, tag, client_state or {}, save_latest,
@@ -619,6 +621,7 @@ class Engine(EngineSurface, nn.Module):
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False):
         self._check_alive()
+        check_in("load_checkpoint", self.comm.rank, self.comm.world_size, self.config.checkpoint_arrival_timeout)
         self._settle()
         return checkpoint_io.load(
             self, load_dir, tag, load_module_strict, load_optimizer_states,
