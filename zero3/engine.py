@@ -160,6 +160,7 @@ class Engine(EngineSurface, nn.Module):
             pin_memory=zero.offload_optimizer.device == "cpu" and zero.offload_optimizer.pin_memory,
             sub_group_numel=zero.sub_group_size,
             unit_order=self.fetcher.params_in_forward_order if overlap else None,
+            usage=self.reducer.usage,
         )
         if overlap:
             self.fetcher.shard_fence = sharded.background.wait_for
@@ -600,6 +601,9 @@ class Engine(EngineSurface, nn.Module):
         self._check_alive()
         self._settle()
         self.reducer.flush()
+        # Zero gradient shards of leaf parameters no rank used are not gradients: dropped
+        # before they are saved, so a load goes on as this engine does (grad_usage.py).
+        self.reducer.usage.drop_unused_everywhere(self.comm.all_reduce, self.device)
         return checkpoint_io.save(self, save_dir, tag, client_state or {}, save_latest,
                                   exclude_frozen_parameters)
 
@@ -608,10 +612,12 @@ class Engine(EngineSurface, nn.Module):
                         load_module_only: bool = False):
         self._check_alive()
         self._settle()
-        return checkpoint_io.load(
+        loaded = checkpoint_io.load(
             self, load_dir, tag, load_module_strict, load_optimizer_states,
             load_lr_scheduler_states, load_module_only,
         )
+        self.reducer.usage.note_restored()  # gradients saved inside a window were used somewhere
+        return loaded
 
     def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.safetensors",
                          exclude_frozen_parameters: bool = False) -> bool:
