@@ -31,6 +31,7 @@ from .gathered import register_engine, unregister_engine
 from .optim import ShardedOptimizer
 from .optimizers import build_optimizer, build_scheduler
 from .init import claim_init_shard
+from .late_params import LateParameters
 from .param_status import mark_managed
 from .partition import ParamState, ShardedParam
 from .precision import LossScaler
@@ -92,6 +93,7 @@ class Engine(EngineSurface, nn.Module):
             torch.device("cpu") if config.zero.offload_optimizer.device == "cpu" else self.device
         )
         self.reducer = self._build_reducer()
+        self.late_params = LateParameters(self.table, self.device, self.compute_dtype, self.comm.rank)
         self.fetcher = self._build_fetcher()
         self.optimizer = self._build_optimizer(optimizer, model_parameters)
         self.lr_scheduler = self._resolve_scheduler(lr_scheduler)
@@ -144,6 +146,7 @@ class Engine(EngineSurface, nn.Module):
                 reuse_distance_numel=zero.max_reuse_distance,
                 log_departures=zero.log_trace_cache_warnings,
             ),
+            on_structure_change=self.late_params.adopt,
         )
 
     def _build_optimizer(self, optimizer, model_parameters) -> ShardedOptimizer | None:
