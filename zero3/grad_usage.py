@@ -71,6 +71,8 @@ class GradUsage:
     def local_counts(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """1 for each leaf parameter this rank used in the window, else 0 (summed over ranks
         by the caller's all-reduce)."""
+        if len(self._used) == len(self.leaf_params):  # the usual case: no host-to-device copy
+            return torch.ones(len(self.leaf_params), dtype=dtype, device=device)
         flags = [1.0 if id(sp) in self._used else 0.0 for sp in self.leaf_params]
         return torch.tensor(flags, dtype=dtype).to(device)
 
