@@ -8,7 +8,10 @@ hyper-parameters, its identity (lr schedulers hold it) and its state_dict format
 its per-parameter state (exp_avg, ...) is therefore shard-sized.
 
 Step, at the gradient-accumulation boundary:
-  grads (ShardedParam.grad_shard) -> master.grad; optional global-norm clipping;
+  grads (ShardedParam.grad_shard) -> master.grad, None for a parameter no rank produced a
+  gradient for in the window (torch optimizers then leave it and its state alone, as in
+  plain PyTorch; grad_usage.py says how a leaf's unused parameters are told apart from
+  the zeros reduced for them); optional global-norm clipping;
   the update, sub-group by sub-group (DeepSpeed's `sub_group_size`: at most that many
   elements, whole parameters, per optimizer call); master -> compute shard per sub-group;
   resident parameters re-gathered; grads dropped.
