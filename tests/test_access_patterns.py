@@ -655,7 +655,9 @@ def full_state(engine, framework: str) -> dict[str, torch.Tensor]:
 
 
 def reference(name: str, world: int) -> dict[str, Any]:
-    """The same global batches in one process, with DeepSpeed's step semantics."""
+    """The same global batches in one process, plain PyTorch's step semantics: a parameter
+    that got no gradient in a step (`.grad` None) is not stepped (DeepSpeed 0.19.8 steps it
+    with a zero gradient: momentum and weight decay still move it)."""
     c = CASES[name]
     torch.manual_seed(0)
     model = c.build()
@@ -669,13 +671,10 @@ def reference(name: str, world: int) -> dict[str, Any]:
         for rank in range(world):
             recorded.extend(c.step(plain_driver(model, rank, world), step, rank, world))
         values.append(recorded)
-        for p in trainable:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
         if c.clip > 0:
             torch.nn.utils.clip_grad_norm_(trainable, c.clip)
         optimizer.step()
-        optimizer.zero_grad(set_to_none=False)
+        optimizer.zero_grad()
     return {"values": values, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
 
 
