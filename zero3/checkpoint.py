@@ -8,7 +8,9 @@ Layout of `save_dir/<tag>/` (W ranks saved it):
                                  optim_whole/<name>/<key> any other tensor state (AdamW's step)
                                  grad/<name>              fp32 gradient accumulated so far, when
                                                           saved inside an accumulation window
-                               and in rank 0's file, buffer/<name>: the persistent buffers.
+                               and in rank 0's file, buffer/<name>: the persistent buffers,
+                                 late/<name>: parameters attached after initialize, whole
+                                 (late_params.py)
   rank{r:05d}-of-{W:05d}.state.pt    rank r's RNG states: python, numpy, torch, cuda
   common.pt                    counters, scheduler, client_state, optimizer hyper-parameters
   pytorch_model.safetensors    consolidated 16-bit weights, only with the config's
@@ -95,6 +97,7 @@ from .checkpoint_paths import checked_tag, read_pointer
 from .ds_layout import DeepSpeedCheckpoint, deepspeed_tag_folder
 from .export import (TensorSpec, fsync_dir, master_map, on_every_rank, parameter_aliases, persistent_buffers,
                      save_consolidated, write_safetensors)
+from .late_params import LATE_KEY, late_layout, restore_late, unmanaged_parameters
 from .partition import ParamState, ShardedParam
 from .version import __version__
 
@@ -299,6 +302,8 @@ def _rank_tensors(engine: "Engine", exclude_frozen: bool) -> tuple[list[TensorSp
     if engine.comm.rank == 0:
         for name, buffer in persistent_buffers(engine.module).items():
             add(f"buffer/{name}", buffer)
+        for name, p in unmanaged_parameters(engine.module, engine.table).items():
+            add(LATE_KEY + name, p.detach())
     return specs, producers, kinds
 
 
@@ -488,6 +493,7 @@ def _manifest(engine: "Engine", tag: str, files: dict, kinds: dict, exclude_froz
         "buffers": {name: {"shape": list(b.shape), "dtype": _dtype_name(b.dtype)}
                     for name, b in persistent_buffers(engine.module).items()},
         "aliases": parameter_aliases(engine),
+        "late_params": late_layout(engine.module, engine.table),
     }
 
 
@@ -979,6 +985,8 @@ def _apply(engine: "Engine", plan: _Plan, load_lr_scheduler_states: bool, load_m
             for name, buffer in persistent_buffers(engine.module).items():
                 if name in saved_buffers:
                     buffer.copy_(reader.read_whole(f"buffer/{name}"))
+        restore_late(engine.module, engine.table, plan.manifest.get("late_params", {}), reader.read_whole,
+                     engine.comm.rank)
     common = plan.common
     if plan.restore_optimizer:
         for group, saved in zip(engine.optimizer.optimizer.param_groups, common["param_groups"]):

@@ -784,7 +784,8 @@ _ZERO_RULES: dict[str, _Rule] = {
                                      "itself, whose storage is released, so a linear layer never "
                                      "pins a gathered weight", _REMOVE),
     "ignore_unused_parameters": _Only(_is(True), "true",
-                                      "zero3 gives a parameter unused in a step a zero gradient",
+                                      "a parameter no rank used in a window is skipped by the "
+                                      "optimizer step, as in plain PyTorch",
                                       _REMOVE),
     "compute_grad_norm": _Only(_is(True), "true",
                                "the global gradient norm is always computed at stage 3 (DeepSpeed "

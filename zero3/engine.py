@@ -32,6 +32,7 @@ from .gathered import register_engine, unregister_engine
 from .optim import ShardedOptimizer
 from .optimizers import build_optimizer, build_scheduler
 from .init import claim_init_shard, init_shard_of
+from .late_params import LateParameters
 from .released import guard_state_dict, refuse_released
 from .param_status import mark_managed
 from .partition import ParamState, ShardedParam
@@ -98,6 +99,7 @@ class Engine(EngineSurface, nn.Module):
             torch.device("cpu") if config.zero.offload_optimizer.device == "cpu" else self.device
         )
         self.reducer = self._build_reducer()
+        self.late_params = LateParameters(self.table, self.device, self.compute_dtype, self.comm.rank)
         self.fetcher = self._build_fetcher()
         self.optimizer = self._build_optimizer(optimizer, model_parameters)
         self.lr_scheduler = self._resolve_scheduler(lr_scheduler)
@@ -150,6 +152,7 @@ class Engine(EngineSurface, nn.Module):
                 reuse_distance_numel=zero.max_reuse_distance,
                 log_departures=zero.log_trace_cache_warnings,
             ),
+            on_structure_change=self.late_params.adopt,
         )
 
     def _build_optimizer(self, optimizer, model_parameters) -> ShardedOptimizer | None:
@@ -166,6 +169,7 @@ class Engine(EngineSurface, nn.Module):
             pin_memory=zero.offload_optimizer.device == "cpu" and zero.offload_optimizer.pin_memory,
             sub_group_numel=zero.sub_group_size,
             unit_order=self.fetcher.params_in_forward_order if overlap else None,
+            usage=self.reducer.usage,
         )
         if overlap:
             self.fetcher.shard_fence = sharded.background.wait_for
@@ -614,6 +618,9 @@ class Engine(EngineSurface, nn.Module):
         check_in("save_checkpoint", self.comm.rank, self.comm.world_size, self.config.checkpoint_arrival_timeout)
         self._settle()
         self.reducer.flush()
+        # Zero gradient shards of leaf parameters no rank used are not gradients: dropped
+        # before they are saved, so a load goes on as this engine does (grad_usage.py).
+        self.reducer.usage.drop_unused_everywhere(self.comm.all_reduce, self.device)
         return checkpoint_io.save(self, save_dir, tag, client_state or {}, save_latest,
                                   exclude_frozen_parameters)
 
@@ -623,10 +630,12 @@ class Engine(EngineSurface, nn.Module):
         self._check_alive()
         check_in("load_checkpoint", self.comm.rank, self.comm.world_size, self.config.checkpoint_arrival_timeout)
         self._settle()
-        return checkpoint_io.load(
+        loaded = checkpoint_io.load(
             self, load_dir, tag, load_module_strict, load_optimizer_states,
             load_lr_scheduler_states, load_module_only,
         )
+        self.reducer.usage.note_restored()  # gradients saved inside a window were used somewhere
+        return loaded
 
     def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.safetensors",
                          exclude_frozen_parameters: bool = False) -> bool:

@@ -31,8 +31,9 @@ hint.
 
 Structure: `TrackedParameters.__setitem__` and `TrackedAssignments` (each module's
 `_modules`) note any parameter or module assigned after initialize; the next root forward
-then checks that every parameter of the model is managed, and raises
-`UnmanagedParameterError` naming the module otherwise. No cost until something changes.
+then hands the model to `on_structure_change` (the engine's late_params.py, which keeps
+parameters it does not manage whole and names them once) and watches the new modules
+too. No cost until something changes.
 
 Safety net: a saved-tensor hook, pushed for the root forward, remembers which saved
 tensors are views of managed parameters; if backward unpacks one that is not FULL, it is
@@ -62,10 +63,6 @@ from .partition import ParamState, ShardedParam
 from .schedule import PrefetchPolicy, Schedule
 
 LOOKAHEAD_ENTRIES = 256  # how far prefetch and reuse look into the plan (unit entries)
-
-
-class UnmanagedParameterError(RuntimeError):
-    """The model holds parameters that zero3.initialize did not see."""
 
 
 class TrackedParameters(dict):
@@ -239,6 +236,7 @@ class Fetcher:
         on_backward_end: Callable[[], None],
         on_leaf_backward: Callable[[list[ShardedParam]], None] | None = None,
         policy: PrefetchPolicy = PrefetchPolicy(),
+        on_structure_change: Callable[[nn.Module], object] | None = None,
     ) -> None:
         self.root = root
         self.table = table
@@ -247,6 +245,7 @@ class Fetcher:
         self.compute_device = compute_device
         self.on_backward_end = on_backward_end
         self.on_leaf_backward = on_leaf_backward
+        self.on_structure_change = on_structure_change
         self.stack: list[Call] = []
         self.loose: list[tuple[int, ShardedParam]] = []  # (graph task, parameter)
         self.escaped: list[ShardedParam] = []
@@ -269,12 +268,7 @@ class Fetcher:
         # recorded in the divergence trace or the schedule, since ranks may run different numbers.
         self.tracking = True
         self.live_numel = 0  # elements of non-persistent parameters FULL or GATHERING
-        # one hold each, taken by a prefetch (True) or kept for reuse (False)
-        self._spare: dict[int, tuple[ShardedParam, bool]] = {}
-        self._inflight: dict[int, Pending] = {}  # id(sp) -> the prefetch gathering it
-        self._ahead_numel = 0  # elements prefetched and not yet used
-        self.prefetched_units = 0
-        self.reused_units = 0
+        self._init_prefetch_state()
         self._side_stream = torch.cuda.Stream(compute_device) if compute_device.type == "cuda" else None
         self._shards_ready: torch.cuda.Event | None = None
         # Called with a group before its shards are read for a gather: an optimizer update
@@ -293,6 +287,14 @@ class Fetcher:
         self._install()
 
     # ------------------------------------------------------------------ setup
+    def _init_prefetch_state(self) -> None:
+        # one hold each, taken by a prefetch (True) or kept for reuse (False)
+        self._spare: dict[int, tuple[ShardedParam, bool]] = {}
+        self._inflight: dict[int, Pending] = {}  # id(sp) -> the prefetch gathering it
+        self._ahead_numel = 0  # elements prefetched and not yet used
+        self.prefetched_units = 0
+        self.reused_units = 0
+
     def _install(self) -> None:
         for sp in self.table.values():
             self._storage_owner[sp.param.untyped_storage()._cdata] = sp
@@ -718,25 +720,11 @@ class Fetcher:
         self._structure_changed = True
 
     def _check_structure(self) -> None:
-        """Every parameter in the model must be one zero3.initialize saw; raise otherwise."""
-        unmanaged: dict[str, list[str]] = {}
-        classes: dict[str, str] = {}
-        for name, module in self.root.named_modules():
-            for pname, p in dict.items(module._parameters):
-                if p is not None and p not in self.table:
-                    unmanaged.setdefault(name, []).append(f"{pname} {tuple(p.shape)}")
-                    classes[name] = type(module).__name__
-        if unmanaged:
-            where = "; ".join(
-                f"'{name or '<root>'}' ({classes[name]}): {', '.join(params)}" for name, params in unmanaged.items()
-            )
-            raise UnmanagedParameterError(
-                f"zero3: parameters were added to the model after zero3.initialize: {where}. "
-                "zero3 does not manage them: they would not be sharded, averaged across ranks, "
-                "stepped by the optimizer or saved in checkpoints. Attach every module (and "
-                "assign every parameter) before zero3.initialize, or keep the new module "
-                "outside the model passed to it"
-            )
+        """Modules or parameters were assigned since the last forward: parameters zero3 does
+        not manage go to `on_structure_change` (kept whole, late_params.py), and every
+        module of the model is watched from now on."""
+        if self.on_structure_change is not None:
+            self.on_structure_change(self.root)
         for module in self.root.modules():
             self._wrap(module)
         self._structure_changed = False
