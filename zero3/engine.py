@@ -386,6 +386,19 @@ class Engine(EngineSurface, nn.Module):
             self.reducer.backward_divisor = float(steps)
         return loss
 
+    @contextlib.contextmanager
+    def loss_divided_by_caller(self) -> Iterator[None]:
+        """Direct `loss.backward()` calls inside take the loss as already divided by the
+        accumulation steps (the Hugging Face Trainer divides it itself): their gradients
+        are reduced without the engine's own division. Not for fp16, whose loss must be
+        scaled through engine.backward / engine.scale."""
+        self._check_alive()
+        previous, self.reducer.backward_divisor = self.reducer.backward_divisor, 1.0
+        try:
+            yield
+        finally:
+            self.reducer.backward_divisor = previous
+
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss multiplied by the fp16 loss scale, for `engine.scale(loss).backward()`.
 

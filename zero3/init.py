@@ -286,8 +286,12 @@ class Init:
             self.partition(param)
 
     def partition(self, param: nn.Parameter) -> None:
-        """Full -> partitioned: rank 0's values broadcast, this rank's slice kept, storage freed."""
-        if param in _registry:
+        """Full -> partitioned: rank 0's values broadcast, this rank's slice kept, storage freed.
+
+        A parameter on the meta device has no values yet (Transformers' from_pretrained
+        builds the model on meta, then registers each loaded weight as a new parameter,
+        which is partitioned then): it is left as it is."""
+        if param in _registry or param.is_meta:
             return
         refuse_released(param, "zero3.Init: partitioning a parameter registered in the context",
                         fix="it is sharded by an engine already: build new modules with their own parameters, "
@@ -392,8 +396,9 @@ class Init:
         that owns its storage alone (so freeing it frees the memory)."""
         dtype = self.dtype if (self.dtype is not None and param.is_floating_point()) else param.dtype
         full = param.data.to(self.compute_device, dtype)
-        exclusive = (full.is_contiguous() and full.storage_offset() == 0
-                     and full.untyped_storage().nbytes() == full.numel() * full.element_size())
+        storage = full.untyped_storage()
+        exclusive = (full.is_contiguous() and full.storage_offset() == 0 and storage.resizable()
+                     and storage.nbytes() == full.numel() * full.element_size())  # not a file mapping
         return full if exclusive else full.clone(memory_format=torch.contiguous_format)
 
     def _copy_slice_into(self, full: torch.Tensor, shard: torch.Tensor) -> None:
