@@ -8,7 +8,9 @@ Layout of `save_dir/<tag>/` (W ranks saved it):
                                  optim_whole/<name>/<key> any other tensor state (AdamW's step)
                                  grad/<name>              fp32 gradient accumulated so far, when
                                                           saved inside an accumulation window
-                               and in rank 0's file, buffer/<name>: the persistent buffers.
+                               and in rank 0's file, buffer/<name>: the persistent buffers,
+                                 late/<name>: parameters attached after initialize, whole
+                                 (late_params.py)
   rank{r:05d}-of-{W:05d}.state.pt    rank r's RNG states: python, numpy, torch, cuda
   common.pt                    counters, scheduler, client_state, optimizer hyper-parameters
   pytorch_model.safetensors    consolidated 16-bit weights, only with the config's
@@ -88,9 +90,13 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
+from .checkpoint_errors import (CheckpointArrivalError, CheckpointError, CheckpointPathError, CheckpointWriteError,
+                                ManifestError)
+from .checkpoint_paths import checked_tag, read_pointer
 from .ds_layout import DeepSpeedCheckpoint, deepspeed_tag_folder
 from .export import (TensorSpec, fsync_dir, master_map, on_every_rank, parameter_aliases, persistent_buffers,
                      save_consolidated, write_safetensors)
+from .late_params import LATE_KEY, late_layout, restore_late, unmanaged_parameters
 from .partition import ParamState, ShardedParam, owned_range, shard_numel_for
 from .version import __version__
 
@@ -115,10 +121,6 @@ _OURS = re.compile(
     r"^(rank\d{5}-of-\d{5}\.(safetensors|state\.pt)|" + re.escape(COMMON) + "|"
     + re.escape(MODEL_16BIT) + "|" + re.escape(MANIFEST) + r")(\.tmp)?$"
 )
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is incomplete, damaged, or does not fit the model."""
 
 
 # ---------------------------------------------------------------------- names
@@ -292,6 +294,8 @@ def _rank_tensors(engine: "Engine", exclude_frozen: bool) -> tuple[list[TensorSp
     if engine.comm.rank == 0:
         for name, buffer in persistent_buffers(engine.module).items():
             add(f"buffer/{name}", buffer)
+        for name, p in unmanaged_parameters(engine.module, engine.table).items():
+            add(LATE_KEY + name, p.detach())
     return specs, producers, kinds
 
 
@@ -481,6 +485,7 @@ def _manifest(engine: "Engine", tag: str, files: dict, kinds: dict, exclude_froz
         "buffers": {name: {"shape": list(b.shape), "dtype": _dtype_name(b.dtype)}
                     for name, b in persistent_buffers(engine.module).items()},
         "aliases": parameter_aliases(engine),
+        "late_params": late_layout(engine.module, engine.table),
     }
 
 
@@ -495,7 +500,8 @@ def seal(manifest: dict[str, Any]) -> dict[str, Any]:
 
 
 def _check_tag_name(tag: str) -> None:
-    if not tag or "/" in tag or "\\" in tag or tag in (".", "..") or tag.startswith("."):
+    checked_tag(tag, "save_checkpoint's tag argument")
+    if str(tag).startswith("."):
         raise CheckpointError(f"checkpoint tag {tag!r} is not a valid folder name; use e.g. 'global_step100'")
 
 
@@ -678,15 +684,16 @@ def _age(info: TagInfo) -> tuple:
 
 
 def read_latest(root: Path) -> str | None:
-    latest = Path(root) / LATEST
-    return latest.read_text().strip() if latest.is_file() else None
+    """The tag `root/latest` names (checked: a folder directly inside `root`), None if no file."""
+    return read_pointer(Path(root) / LATEST)
 
 
 def resolve_tag(root: Path, tag) -> tuple[str | None, str | None]:
     """(tag to load or None, warning or None), by the rules in the module docstring."""
     root = Path(root)
     if tag is not None:
-        if not (root / str(tag)).is_dir():
+        tag = checked_tag(tag, "the tag argument")
+        if not (root / tag).is_dir():
             return None, f"zero3: checkpoint tag {str(tag)!r} not found in {root}; nothing was loaded"
         return str(tag), None
     named = read_latest(root)
@@ -970,6 +977,8 @@ def _apply(engine: "Engine", plan: _Plan, load_lr_scheduler_states: bool, load_m
             for name, buffer in persistent_buffers(engine.module).items():
                 if name in saved_buffers:
                     buffer.copy_(reader.read_whole(f"buffer/{name}"))
+        restore_late(engine.module, engine.table, plan.manifest.get("late_params", {}), reader.read_whole,
+                     engine.comm.rank)
     common = plan.common
     if plan.restore_optimizer:
         for group, saved in zip(engine.optimizer.optimizer.param_groups, common["param_groups"]):

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from . import checkpoint as ckpt
+from .checkpoint_paths import checked_tag
 from .ds_layout import DeepSpeedCheckpoint, is_deepspeed_checkpoint
 from .ds_unpickle import DeepSpeedCheckpointError
 
@@ -52,7 +53,7 @@ def _target(directory: Path, tag: str | None) -> tuple[Path, list[str]]:
             f"{directory} is a DeepSpeed ZeRO-3 checkpoint: `zero3 checkpoint inspect` checks it, "
             f"`zero3 checkpoint import-deepspeed {directory} DST` converts it; verify or export DST")
     if tag is not None:
-        folder = directory / tag
+        folder = directory / checked_tag(tag, "--tag")
         if not folder.is_dir():
             raise ckpt.CheckpointError(f"{folder}: no such checkpoint tag")
         return folder, []

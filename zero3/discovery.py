@@ -9,8 +9,9 @@ unavailable to find out, and nothing asserts on a recorded order.
 
 Structure: `TrackedParameters.__setitem__` and `TrackedAssignments` (each module's
 `_modules`) note any parameter or module assigned after initialize; the next root forward
-then calls `check_structure`, which raises `UnmanagedParameterError` naming the module if
-the model holds a parameter zero3 does not manage. No cost until something changes.
+then calls `check_structure`, which hands the model to `on_structure_change` (the
+engine's late_params.py: parameters zero3 does not manage are kept whole and named once)
+and watches the new modules too. No cost until something changes.
 
 Safety net: `saved_tensor_hooks()` (pushed by the fetcher for the root forward) remembers
 which saved tensors are views of managed parameters; if backward unpacks one that is not
@@ -31,10 +32,6 @@ from .partition import ParamState
 
 if TYPE_CHECKING:
     from .partition import ShardedParam
-
-
-class UnmanagedParameterError(RuntimeError):
-    """The model holds parameters that zero3.initialize did not see."""
 
 
 class TrackedParameters(dict):
@@ -91,12 +88,14 @@ class AccessDiscovery:
 
     def __init__(self, root: nn.Module, table: dict[nn.Parameter, ShardedParam], track_reads: bool,
                  on_access: Callable[[nn.Parameter], None],
-                 on_late_use: Callable[[ShardedParam], None]) -> None:
+                 on_late_use: Callable[[ShardedParam], None],
+                 on_structure_change: Callable[[nn.Module], object] | None = None) -> None:
         self.root = root
         self.table = table
         self.track_reads = track_reads
         self._on_access = on_access
         self._on_late_use = on_late_use
+        self._on_structure_change = on_structure_change
         self._storage_owner = {sp.param.untyped_storage()._cdata: sp for sp in table.values()}
         self._wrapped: dict[int, nn.Module] = {}
         self.structure_changed = False
@@ -130,25 +129,11 @@ class AccessDiscovery:
         self.structure_changed = True
 
     def check_structure(self) -> None:
-        """Every parameter in the model must be one zero3.initialize saw; raise otherwise."""
-        unmanaged: dict[str, list[str]] = {}
-        classes: dict[str, str] = {}
-        for name, module in self.root.named_modules():
-            for pname, p in dict.items(module._parameters):
-                if p is not None and p not in self.table:
-                    unmanaged.setdefault(name, []).append(f"{pname} {tuple(p.shape)}")
-                    classes[name] = type(module).__name__
-        if unmanaged:
-            where = "; ".join(
-                f"'{name or '<root>'}' ({classes[name]}): {', '.join(params)}" for name, params in unmanaged.items()
-            )
-            raise UnmanagedParameterError(
-                f"zero3: parameters were added to the model after zero3.initialize: {where}. "
-                "zero3 does not manage them: they would not be sharded, averaged across ranks, "
-                "stepped by the optimizer or saved in checkpoints. Attach every module (and "
-                "assign every parameter) before zero3.initialize, or keep the new module "
-                "outside the model passed to it"
-            )
+        """Modules or parameters were assigned since the last forward: the model goes to
+        `on_structure_change` (late_params.py keeps parameters zero3 does not manage
+        whole), and every module of the model is watched from now on."""
+        if self._on_structure_change is not None:
+            self._on_structure_change(self.root)
         self.wrap_all()
         self.structure_changed = False
 

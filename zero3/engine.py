@@ -39,13 +39,16 @@ from . import checkpoint as checkpoint_io
 from . import diagnostics, export, generation
 from . import engine_build as build
 from .accelerator import get_accelerator
+from .arrival import check_in
 from .comm import Communicator
 from .config import Zero3Config
 from .engine_build import EngineError
 from .engine_surface import EngineSurface
 from .gathered import register_engine, unregister_engine
+from .late_params import LateParameters
 from .partition import ParamState
 from .precision import LossScaler
+from .rank_agreement import check_ranks_agree, config_items, model_items, optimizer_items
 from .timers import StepTimers, ThroughputTimer
 from .units import build_units
 from .wire import gather_rows, group_by_dtype
@@ -82,6 +85,9 @@ class Engine(EngineSurface, nn.Module):
             LossScaler.from_precision(config.precision) if self.compute_dtype == torch.float16 else None
         )
         self._init_counters()
+        if isinstance(model, nn.Module):  # before any other collective: ranks that disagree fail here
+            check_ranks_agree(self.comm, self.device, {
+                **config_items(config), **optimizer_items(optimizer), **model_items(model)})
         self._gc_disabled_here = diagnostics.apply_process_settings(config)
         init_shards = build.prepare_module(model, self.device, self.compute_dtype, self.comm)
         self.module = model
@@ -96,10 +102,12 @@ class Engine(EngineSurface, nn.Module):
         client_optimizer = build.resolve_optimizer(config, optimizer, model_parameters, self.module)
         background = build.host_step_overlap(config, client_optimizer, self.device)
         self.reducer = build.build_reducer(config, self.table, self.units, self.comm, self.master_device, background)
+        self.late_params = LateParameters(self.table, self.device, self.compute_dtype, self.comm.rank)
         self.fetcher = build.build_fetcher(config, self.module, self.table, self.units, self.comm, self.device,
-                                           self._end_backward, self.reducer, background)
+                                           self._end_backward, self.reducer, self.late_params.adopt, background)
         self.optimizer = build.build_sharded_optimizer(config, client_optimizer, self.table, self.comm,
-                                                       self.master_device, self.fetcher, background)
+                                                       self.master_device, self.fetcher, self.reducer.usage,
+                                                       background)
         self.lr_scheduler = build.resolve_scheduler(config, lr_scheduler, self.optimizer)
         register_engine(self)
         self._destroyed = False
@@ -162,6 +170,19 @@ class Engine(EngineSurface, nn.Module):
             self._in_engine_backward = False
             self.reducer.backward_divisor = float(steps)
         return loss
+
+    @contextlib.contextmanager
+    def loss_divided_by_caller(self) -> Iterator[None]:
+        """Direct `loss.backward()` calls inside take the loss as already divided by the
+        accumulation steps (the Hugging Face Trainer divides it itself): their gradients
+        are reduced without the engine's own division. Not for fp16, whose loss must be
+        scaled through engine.backward / engine.scale."""
+        self._check_alive()
+        previous, self.reducer.backward_divisor = self.reducer.backward_divisor, 1.0
+        try:
+            yield
+        finally:
+            self.reducer.backward_divisor = previous
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss multiplied by the fp16 loss scale, for `engine.scale(loss).backward()`.
@@ -386,8 +407,12 @@ class Engine(EngineSurface, nn.Module):
             raise ValueError(f"save_checkpoint(save_dir={save_dir!r}): save_dir must name a directory "
                              "(e.g. \"checkpoints\"); nothing was written")
         self._check_alive()
+        check_in("save_checkpoint", self.comm.rank, self.comm.world_size, self.config.checkpoint_arrival_timeout)
         self._settle()
         self.reducer.flush()
+        # Zero gradient shards of leaf parameters no rank used are not gradients: dropped
+        # before they are saved, so a load goes on as this engine does (grad_usage.py).
+        self.reducer.usage.drop_unused_everywhere(self.comm.all_reduce, self.device)
         return checkpoint_io.save(self, save_dir, tag, client_state or {}, save_latest,
                                   exclude_frozen_parameters)
 
@@ -395,11 +420,14 @@ class Engine(EngineSurface, nn.Module):
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False):
         self._check_alive()
+        check_in("load_checkpoint", self.comm.rank, self.comm.world_size, self.config.checkpoint_arrival_timeout)
         self._settle()
-        return checkpoint_io.load(
+        loaded = checkpoint_io.load(
             self, load_dir, tag, load_module_strict, load_optimizer_states,
             load_lr_scheduler_states, load_module_only,
         )
+        self.reducer.usage.note_restored()  # gradients saved inside a window were used somewhere
+        return loaded
 
     def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.safetensors",
                          exclude_frozen_parameters: bool = False) -> bool:

@@ -23,12 +23,14 @@ from .comm import Communicator
 from .config import Zero3Config
 from .fetch import Fetcher, FetchUnit
 from .host_step import BackgroundStep
-from .init import claim_init_shard
+from .grad_usage import GradUsage
+from .init import claim_init_shard, init_shard_of
 from .optim import ShardedOptimizer
 from .optimizers import build_optimizer, build_scheduler
 from .param_status import mark_managed
 from .partition import ParamState, ShardedParam
 from .reduce import GradReducer
+from .released import guard_state_dict, refuse_released
 from .schedule import PrefetchPolicy
 from .units import choose_persistent
 from .wire import gather_rows, group_by_dtype
@@ -51,6 +53,11 @@ def prepare_module(model: nn.Module, device: torch.device, compute_dtype: torch.
     partitioned by zero3.Init (those parameters are left empty; the caller owns the shards)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"zero3.initialize(model=...) expects an nn.Module, got {type(model).__name__}")
+    for name, p in model.named_parameters():
+        if init_shard_of(p) is None:
+            refuse_released(p, "zero3.initialize", name, fix="it was sharded by another engine or zero3.Init "
+                            "context that no longer manages it; build the model afresh (or destroy() the "
+                            "other engine first, which gathers its parameters back)")
     init_shards = claim_init_shards(model, device, compute_dtype, comm)
     model.to(device)
     if compute_dtype != torch.float32:
@@ -58,6 +65,8 @@ def prepare_module(model: nn.Module, device: torch.device, compute_dtype: torch.
             if p.is_floating_point() and p not in init_shards:
                 p.data = p.data.to(compute_dtype)
     built_full = [p for p in model.parameters() if p not in init_shards]
+    for module in model.modules():
+        guard_state_dict(module)  # module.state_dict() outside GatheredParameters: meta, not freed memory
     broadcast_from_rank0(comm, built_full + list(model.buffers()))  # Init's shards are rank 0's already
     return init_shards
 
@@ -210,9 +219,10 @@ def host_step_overlap(config: Zero3Config, optimizer: torch.optim.Optimizer | No
 
 def build_sharded_optimizer(config: Zero3Config, client: torch.optim.Optimizer | None,
                             table: dict[nn.Parameter, ShardedParam], comm: Communicator,
-                            master_device: torch.device, fetcher: Fetcher,
+                            master_device: torch.device, fetcher: Fetcher, usage: GradUsage,
                             background: BackgroundStep | None) -> ShardedOptimizer | None:
-    """The client optimizer over fp32 master shards (None without one)."""
+    """The client optimizer over fp32 master shards (None without one); `usage` tells it
+    which parameters got no gradient in a window (grad_usage.py)."""
     if client is None:
         return None
     zero = config.zero
@@ -222,6 +232,7 @@ def build_sharded_optimizer(config: Zero3Config, client: torch.optim.Optimizer |
         pin_memory=zero.offload_optimizer.device == "cpu" and zero.offload_optimizer.pin_memory,
         sub_group_numel=zero.sub_group_size,
         unit_order=fetcher.params_in_forward_order if background is not None else None,
+        usage=usage,
         background=background,
     )
 
@@ -272,7 +283,8 @@ def build_reducer(config: Zero3Config, table: dict[nn.Parameter, ShardedParam], 
 def build_fetcher(config: Zero3Config, module: nn.Module, table: dict[nn.Parameter, ShardedParam],
                   units: list[FetchUnit], comm: Communicator, device: torch.device,
                   on_backward_end: Callable[[], None], reducer: GradReducer,
-                  background: BackgroundStep | None) -> Fetcher:
+                  on_structure_change: Callable[[], None], background: BackgroundStep | None) -> Fetcher:
+    """The fetcher; `on_structure_change` adopts modules attached after initialize (late_params.py)."""
     zero = config.zero
     return Fetcher(
         module, table, units, comm, device, on_backward_end,
@@ -283,5 +295,6 @@ def build_fetcher(config: Zero3Config, module: nn.Module, table: dict[nn.Paramet
             reuse_distance_numel=zero.max_reuse_distance,
             log_departures=zero.log_trace_cache_warnings,
         ),
+        on_structure_change=on_structure_change,
         shard_fence=background.wait_for if background is not None else None,
     )

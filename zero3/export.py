@@ -277,8 +277,8 @@ def export_specs(engine: "Engine", dtype: torch.dtype | None, exclude_frozen: bo
     names_of: dict[int, list[str]] = {}
     order: list[tuple[str, str, Any]] = []
     for name, kind, tensor in state_dict_entries(engine.module):
-        if kind == "buffer":
-            order.append((name, kind, tensor))
+        if kind == "buffer" or tensor not in engine.table:  # a parameter attached after initialize: whole
+            order.append((name, "buffer", tensor))
             continue
         sp = engine.table[tensor]
         if exclude_frozen and not sp.requires_grad:

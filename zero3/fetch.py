@@ -32,6 +32,10 @@ parameter registers it on the running unit, whatever its state, and gathers it i
 SHARDED. The registration is remembered: the unit's pre-backward and later forwards
 gather its externals with it. The order of units is only a hint, never asserted.
 
+Structure: assignments after initialize are noticed (discovery.py); the next root forward
+hands the model to `on_structure_change` (the engine's late_params.py, which keeps
+parameters it does not manage whole and names them once) and watches the new modules too.
+
 Leaf units and gradients: inside a leaf, which parameters get gradients (and in which
 order) may differ between ranks. When `on_leaf_backward` is given, it is called with the
 leaf's parameters at a point that is the same on every rank (each leaf call's
@@ -186,15 +190,19 @@ class Fetcher:
         on_leaf_backward: Callable[[list[ShardedParam]], None] | None = None,
         policy: PrefetchPolicy = PrefetchPolicy(),
         shard_fence: Callable[[list[ShardedParam]], None] | None = None,
+        on_structure_change: Callable[[nn.Module], object] | None = None,
     ) -> None:
         """`shard_fence(group)`: called before a group's shards are read for a gather (an
-        optimizer update running behind the forward publishes them one sub-group at a time)."""
+        optimizer update running behind the forward publishes them one sub-group at a time).
+        `on_structure_change(root)`: called at the next root forward after a module or
+        parameter was assigned (late_params.py keeps unmanaged ones whole)."""
         self.root = root
         self.table = table
         self.units = units
         self.comm = comm
         self.on_backward_end = on_backward_end
         self.on_leaf_backward = on_leaf_backward
+        self.on_structure_change = on_structure_change
         self.stack: list[Call] = []
         self.loose: list[tuple[int, ShardedParam]] = []  # (graph task, parameter)
         self.escaped: list[ShardedParam] = []
@@ -221,7 +229,8 @@ class Fetcher:
         self.wire = GatherWire(comm, compute_device, self.guard, param_index,
                                any(sp.shard.device.type == "cpu" for sp in table.values()), shard_fence)
         self.lookahead = LookAhead(units, self.schedule, policy, self.wire, comm, self.drop)
-        self.discovery = AccessDiscovery(root, table, not self.all_resident, self.on_access, self._late_use)
+        self.discovery = AccessDiscovery(root, table, not self.all_resident, self.on_access, self._late_use,
+                                         on_structure_change)
         self.guard.seed(self._static_sites())
         self._install()
 

@@ -227,7 +227,7 @@ def full_state_dict(engine: "Engine", prefix: str = "") -> dict[str, torch.Tenso
     gathered: dict[int, torch.Tensor] = {}
     engine._settle()
     for name, kind, tensor in state_dict_entries(engine.module):
-        if kind == "buffer":
+        if kind == "buffer" or tensor not in engine.table:  # attached after initialize: whole already
             out[prefix + name] = tensor.detach().cpu().clone()
             continue
         sp = engine.table[tensor]
@@ -255,7 +255,7 @@ def load_full_state_dict(engine: "Engine", state_dict: dict[str, torch.Tensor], 
         if key not in state_dict:
             continue
         value = _as_shape(state_dict[key], tensor.shape, f"load_state_dict[{key!r}]")
-        if kind == "buffer":
+        if kind == "buffer" or tensor not in engine.table:
             with torch.no_grad():
                 tensor.copy_(value)
             continue

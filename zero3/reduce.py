@@ -30,6 +30,7 @@ import torch
 
 from .comm import Communicator
 from .grad_sink import GradSink
+from .grad_usage import GradUsage
 from .partition import ShardedParam
 from .wire import group_by_dtype
 
@@ -72,6 +73,7 @@ class GradReducer:
         # end_coalescing reduces them all at once.
         self.coalescing = False
         self.table = {sp.param: sp for sp in params}
+        self.usage = GradUsage()  # which leaf parameters got a real gradient this window
         self._handles = [
             sp.param.register_post_accumulate_grad_hook(self._on_grad_accumulated)
             for sp in params
@@ -113,6 +115,7 @@ class GradReducer:
         self.pending.clear()
         self.pending_numel = 0
         self.deferred.clear()
+        self.usage.reset()
 
     def defer(self, params: list[ShardedParam]) -> None:
         """Gradients of these parameters (a leaf unit's) wait for `reduce_deferred`.
@@ -123,6 +126,7 @@ class GradReducer:
         done, then reduced together in their fixed order.
         """
         self.deferred_ids.update(id(sp) for sp in params)
+        self.usage.add_leaf_params(params)
 
     def reduce_deferred(self, params: list[ShardedParam], held_only: bool = True) -> None:
         """Reduce a leaf's gradients in the leaf's parameter order, with zeros for the
@@ -146,6 +150,7 @@ class GradReducer:
         param.grad = None
         if grad is None:
             return
+        self.usage.note(sp)
         if self.coalescing:  # held for end_coalescing, with this backward's divisor applied now
             if self.backward_divisor != 1.0:
                 grad = grad / self.backward_divisor

@@ -1,0 +1,22 @@
+"""zero3 under the Hugging Face Trainer, TRL and Accelerate (the `hf` extra).
+
+    import zero3.hf
+    trainer = zero3.hf.Trainer(model=model, args=args, train_dataset=data, zero3_config="ds_config.json")
+    SFTTrainer = zero3.hf.trainer_class(trl.SFTTrainer)
+
+Launch with `torchrun` or `accelerate launch` (a plain multi-process config). DeepSpeed
+need not be installed; `TrainingArguments.deepspeed` stays unset.
+"""
+
+from __future__ import annotations
+
+import transformers
+
+from .config_fill import ConfigFillError, fill_from_arguments, fill_from_model
+from .options import UnsupportedOptionError
+from .trainer import trainer_class
+
+Trainer = trainer_class(transformers.Trainer)
+
+__all__ = ["ConfigFillError", "Trainer", "UnsupportedOptionError", "fill_from_arguments", "fill_from_model",
+           "trainer_class"]

@@ -1,0 +1,74 @@
+"""Trainer options zero3 cannot honour: refused by name before training starts.
+
+ZeRO-3 sharding is zero3's own, so every other sharding or parallel scheme (FSDP,
+DeepSpeed, tensor / context / sequence parallelism) is refused, as is `torch_compile`
+(compiled graphs would bypass the gather-on-use hooks) and fp16 (the Trainer backpropagates
+the unscaled loss itself; bf16 needs no loss scale). `check_arguments` runs on the
+TrainingArguments, `check_model` on the model the Trainer was given, `check_accelerator`
+on the Accelerator the Trainer built (an `accelerate launch` DeepSpeed or FSDP config).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# TrainingArguments.optim values whose optimizer zero3 runs on flat shards (torch's own,
+# elementwise). Others may use a tensor's shape (Adafactor) or carry quantized state.
+ELEMENTWISE_OPTIM_NAMES = frozenset({
+    "adamw_torch", "adamw_torch_fused", "adamw_hf", "sgd", "adagrad", "rmsprop",
+})
+
+
+class UnsupportedOptionError(ValueError):
+    """A Trainer option zero3 cannot honour."""
+
+
+def _refuse(option: str, value: Any, why: str) -> None:
+    raise UnsupportedOptionError(f"TrainingArguments.{option}={value!r}: {why}")
+
+
+def check_arguments(args: Any, config: dict) -> None:
+    """Every TrainingArguments option that zero3 cannot honour, refused by name."""
+    if getattr(args, "deepspeed", None):
+        _refuse("deepspeed", args.deepspeed, "zero3 replaces DeepSpeed here; leave `deepspeed` unset and pass the "
+                "same DeepSpeed JSON (path or dict) as zero3_config= to the trainer")
+    if getattr(args, "fsdp", None):
+        _refuse("fsdp", args.fsdp, "zero3 shards the model itself (ZeRO stage 3); remove the fsdp option")
+    if getattr(args, "torch_compile", False):
+        _refuse("torch_compile", True, "a compiled model bypasses zero3's gather-on-use hooks; set torch_compile=False")
+    if getattr(args, "fp16", False) or getattr(args, "fp16_full_eval", False):
+        _refuse("fp16", True, "the Trainer backpropagates the unscaled loss, which fp16 needs scaled; "
+                "use bf16=True (and \"bf16\": {\"enabled\": \"auto\"} in zero3_config)")
+    _check_parallelism(getattr(args, "parallelism_config", None))
+    if "optimizer" not in config and args.optim not in ELEMENTWISE_OPTIM_NAMES:
+        _refuse("optim", str(args.optim), "zero3 steps each rank's flat shard, so it needs an elementwise torch "
+                f"optimizer: one of {sorted(ELEMENTWISE_OPTIM_NAMES)}, or an \"optimizer\" section in zero3_config")
+
+
+def _check_parallelism(config: Any) -> None:
+    if config is None:
+        return
+    for size in ("tp_size", "cp_size", "sp_size", "dp_shard_size"):
+        value = getattr(config, size, 1) or 1
+        if value > 1:
+            _refuse(f"parallelism_config.{size}", value, "zero3 is data parallel with ZeRO-3 sharding only; "
+                    "remove the parallelism_config")
+
+
+def check_model(model: Any) -> None:
+    """A model sharded or parallelized at load time (tensor parallel) is refused."""
+    tp_size = getattr(model, "tp_size", None) or 1
+    if tp_size > 1:
+        _refuse("model.tp_size", tp_size, "the model was loaded with tensor parallelism (tp_plan); load it "
+                "without tp_plan / device_mesh for zero3")
+
+
+def check_accelerator(accelerator: Any) -> None:
+    """An `accelerate launch` config that brings DeepSpeed or FSDP is refused."""
+    state = accelerator.state
+    if getattr(state, "deepspeed_plugin", None) is not None:
+        _refuse("deepspeed (from the accelerate config)", "DeepSpeedPlugin",
+                "launch with a plain multi-process accelerate config (no deepspeed_config section)")
+    if getattr(state, "fsdp_plugin", None) is not None:
+        _refuse("fsdp (from the accelerate config)", "FullyShardedDataParallelPlugin",
+                "launch with a plain multi-process accelerate config (no fsdp_config section)")
