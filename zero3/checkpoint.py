@@ -336,10 +336,7 @@ def _common_state(engine: "Engine", client_state: dict) -> dict[str, Any]:
     has_state = scheduler is not None and hasattr(scheduler, "state_dict")
     return {
         "format_version": FORMAT_VERSION,
-        "global_steps": engine.global_steps,
-        "micro_steps": engine.micro_steps,
-        "global_samples": engine.global_samples,
-        "skipped_steps": engine.skipped_steps,
+        **engine.counters.state_dict(),
         "loss_scaler": engine.loss_scaler_state() if hasattr(engine, "loss_scaler_state") else None,
         "param_groups": groups,
         "optim_extras": extras,
@@ -986,10 +983,7 @@ def _apply(engine: "Engine", plan: _Plan, load_lr_scheduler_states: bool, load_m
     if not load_module_only:
         if load_lr_scheduler_states and engine.lr_scheduler is not None and common["lr_scheduler"] is not None:
             engine.lr_scheduler.load_state_dict(common["lr_scheduler"])
-        engine.global_steps = common["global_steps"]
-        engine.micro_steps = common["micro_steps"]
-        engine.global_samples = common["global_samples"]
-        engine.skipped_steps = common["skipped_steps"]
+        engine.counters.load_state_dict(common)
         if common.get("loss_scaler") is not None and hasattr(engine, "load_loss_scaler_state"):
             engine.load_loss_scaler_state(common["loss_scaler"])
         if plan.rng is not None and plan.rng.get("rng") is not None:  # None: imported, saved without RNG

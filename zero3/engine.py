@@ -42,6 +42,7 @@ from .accelerator import get_accelerator
 from .arrival import check_in
 from .comm import Communicator
 from .config import Zero3Config
+from .counters import StepCounters
 from .engine_build import EngineError
 from .engine_surface import EngineSurface
 from .gathered import register_engine, unregister_engine
@@ -116,10 +117,7 @@ class Engine(EngineSurface, nn.Module):
     def _init_counters(self) -> None:
         """DeepSpeed's counters and timers, and the per-call flags of backward and step."""
         config = self.config
-        self.global_steps = 0
-        self.micro_steps = 0
-        self.global_samples = 0
-        self.skipped_steps = 0
+        self.counters = StepCounters()
         self._boundary_override: bool | None = None  # set_gradient_accumulation_boundary
         self._step_applied = False
         self._in_engine_backward = False
@@ -129,6 +127,16 @@ class Engine(EngineSurface, nn.Module):
         self.tput_timer = ThroughputTimer(
             config.throughput_timer_enabled, config.throughput_timer_synchronized, config.train_batch_size,
             config.steps_per_print, report=lambda line: self.comm.rank == 0 and logger.info(line))
+
+    # DeepSpeed's counter attributes, kept in `self.counters` (counters.py)
+    global_steps = property(lambda self: self.counters.global_steps,
+                            lambda self, value: setattr(self.counters, "global_steps", value))
+    micro_steps = property(lambda self: self.counters.micro_steps,
+                           lambda self, value: setattr(self.counters, "micro_steps", value))
+    global_samples = property(lambda self: self.counters.global_samples,
+                              lambda self, value: setattr(self.counters, "global_samples", value))
+    skipped_steps = property(lambda self: self.counters.skipped_steps,
+                             lambda self, value: setattr(self.counters, "skipped_steps", value))
 
     # ------------------------------------------------------------ training API
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -142,6 +150,7 @@ class Engine(EngineSurface, nn.Module):
             _hook_output_tensors(output, self._on_backward_start)
         return output
 
+    # ------------------------------------------------------------ training API
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backpropagate `loss` (divided by the accumulation steps, as DeepSpeed does)."""
         self._check_alive()
