@@ -150,7 +150,6 @@ class Engine(EngineSurface, nn.Module):
             _hook_output_tensors(output, self._on_backward_start)
         return output
 
-    # ------------------------------------------------------------ training API
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backpropagate `loss` (divided by the accumulation steps, as DeepSpeed does)."""
         self._check_alive()
