@@ -95,7 +95,7 @@ from .checkpoint_paths import checked_tag, read_pointer
 from .ds_layout import DeepSpeedCheckpoint, deepspeed_tag_folder
 from .manifest_schema import manifest_problems
 from .export import (TensorSpec, fsync_dir, master_map, on_every_rank, parameter_aliases, persistent_buffers,
-                     save_consolidated, write_safetensors)
+                     removed_on_failure, save_consolidated, write_safetensors)
 from .partition import ParamState, ShardedParam
 from .version import __version__
 
@@ -150,7 +150,7 @@ def expected_files(world: int) -> list[str]:
 def _write_bytes_atomically(path: Path, data: bytes) -> dict[str, Any]:
     """`path` becomes `data` or stays as it was: temporary name, fsync, rename, fsync dir."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
+    with removed_on_failure(tmp), open(tmp, "wb") as f:  # a full disk: the error names `tmp`, removed
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
