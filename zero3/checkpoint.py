@@ -94,8 +94,9 @@ from .checkpoint_errors import (CheckpointArrivalError, CheckpointError, Checkpo
                                 ManifestError)
 from .checkpoint_paths import checked_tag, read_pointer
 from .ds_layout import DeepSpeedCheckpoint, deepspeed_tag_folder
+from .manifest_schema import manifest_problems
 from .export import (TensorSpec, fsync_dir, master_map, on_every_rank, parameter_aliases, persistent_buffers,
-                     save_consolidated, write_safetensors)
+                     removed_on_failure, save_consolidated, write_safetensors)
 from .late_params import LATE_KEY, late_layout, restore_late, unmanaged_parameters
 from .partition import ParamState, ShardedParam, owned_range, shard_numel_for
 from .version import __version__
@@ -144,7 +145,7 @@ def expected_files(world: int) -> list[str]:
 def _write_bytes_atomically(path: Path, data: bytes) -> dict[str, Any]:
     """`path` becomes `data` or stays as it was: temporary name, fsync, rename, fsync dir."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
+    with removed_on_failure(tmp), open(tmp, "wb") as f:  # a full disk: the error names `tmp`, removed
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
@@ -554,6 +555,10 @@ def read_manifest(folder: Path) -> dict[str, Any]:
     body = {k: v for k, v in manifest.items() if k != "checksum"}
     if manifest.get("checksum") != _body_digest(body):
         raise CheckpointError(f"{path}: its checksum does not match its contents (the manifest is corrupted)")
+    problems = manifest_problems(manifest)
+    if problems:
+        raise ManifestError(f"{path} is corrupt ({len(problems)} field(s) of the wrong type or value); nothing "
+                            "was read from the checkpoint:\n  " + "\n  ".join(problems))
     unlisted = [name for name in expected_files(manifest["world_size"]) if name not in manifest["files"]]
     if unlisted:
         raise CheckpointError(f"{path} does not list {unlisted}; the manifest is damaged")
@@ -634,7 +639,23 @@ def verify_checkpoint(folder: Path) -> list[str]:
         manifest = read_manifest(folder)
     except CheckpointError as exc:
         return [str(exc)]
-    return verify_files(folder, manifest)
+    problems = verify_files(folder, manifest)
+    return problems or _pickle_problems(Path(folder), manifest)
+
+
+def _pickle_problems(folder: Path, manifest: dict[str, Any]) -> list[str]:
+    """What load's unpickling would refuse: every listed `.pt` file is read as load reads
+    it (weights_only: tensors and plain values, never code) and must hold a dict."""
+    problems = []
+    for name in sorted(n for n in manifest["files"] if n.endswith(".pt")):
+        try:
+            value = _unpickle_file(folder / name)
+        except CheckpointError as exc:
+            problems.append(str(exc))
+            continue
+        if not isinstance(value, dict):
+            problems.append(f"{folder / name}: holds a {type(value).__name__}, expected a dict of saved state")
+    return problems
 
 
 @dataclass

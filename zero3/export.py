@@ -21,6 +21,7 @@ parameter's whole, unpadded value on every rank.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -112,6 +113,29 @@ def write_safetensors(path: Path, specs: Sequence[TensorSpec], tensors: Iterable
     """
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
+    with removed_on_failure(tmp):
+        digest, size = _write_safetensors_to(tmp, path, specs, tensors, metadata, after_first)
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+    return {"size": size, "sha256": digest.hexdigest()}
+
+
+@contextlib.contextmanager
+def removed_on_failure(tmp: Path) -> Iterator[None]:
+    """`tmp` (a temporary file being written) is removed if the block fails; an OSError
+    (a full disk, a quota, a read-only folder) is raised again naming the file."""
+    try:
+        yield
+    except BaseException as exc:
+        tmp.unlink(missing_ok=True)
+        if isinstance(exc, OSError) and exc.filename is None:
+            raise type(exc)(exc.errno, f"{exc.strerror or exc} (while writing the file)", str(tmp)) from exc
+        raise
+
+
+def _write_safetensors_to(tmp: Path, path: Path, specs: Sequence[TensorSpec], tensors: Iterable[torch.Tensor],
+                          metadata: dict[str, str] | None, after_first: Callable[[], None] | None):
+    """The body of write_safetensors: every byte into `tmp`, fsynced; (sha256, size)."""
     digest = hashlib.sha256()
     size = 0
     with open(tmp, "wb") as f:
@@ -137,9 +161,7 @@ def write_safetensors(path: Path, specs: Sequence[TensorSpec], tensors: Iterable
             raise ExportError(f"{path}: more tensors given than the {len(specs)} announced")
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-    return {"size": size, "sha256": digest.hexdigest()}
+    return digest, size
 
 
 def _check_matches(spec: TensorSpec, tensor: torch.Tensor) -> None:
