@@ -39,7 +39,7 @@ class CodeRunningPayload:
 
 
 def _reseal(folder: Path, change) -> None:
-    from zero3.checkpoint import file_digest, seal
+    from zero3.checkpoint_format import file_digest, seal
 
     path = folder / "manifest.json"
     manifest = json.loads(path.read_text())

@@ -27,7 +27,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from . import checkpoint as ckpt
+from . import checkpoint_format as ckpt
 from .checkpoint_paths import checked_tag
 from .ds_layout import DeepSpeedCheckpoint, is_deepspeed_checkpoint
 from .ds_unpickle import DeepSpeedCheckpointError

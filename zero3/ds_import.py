@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from . import __version__
-from . import checkpoint as ckpt
+from . import checkpoint_format as ckpt
 from .ds_layout import DeepSpeedCheckpoint
 from .ds_unpickle import DeepSpeedCheckpointError
 from .export import TensorSpec, fsync_dir, removed_on_failure, write_safetensors
