@@ -47,6 +47,7 @@ from .engine_build import EngineError
 from .engine_surface import EngineSurface
 from .gathered import register_engine, unregister_engine
 from .late_params import LateParameters
+from .optim import settle
 from .partition import ParamState
 from .precision import LossScaler
 from .rank_agreement import check_ranks_agree, config_items, model_items, optimizer_items
@@ -460,8 +461,7 @@ class Engine(EngineSurface, nn.Module):
 
     def _settle(self) -> None:
         """Wait for an optimizer update still running behind the forward, if any."""
-        if self.optimizer is not None:
-            self.optimizer.wait()
+        settle(self.optimizer)
 
     def _check_alive(self) -> None:
         if self._destroyed:

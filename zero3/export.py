@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 from torch import nn
 
+from .optim import settle
 from .wire import gather_rows
 
 if TYPE_CHECKING:
@@ -254,10 +255,7 @@ def gather_full(engine: "Engine", sp: "ShardedParam", local: torch.Tensor) -> to
 def master_map(engine: "Engine") -> dict[int, torch.Tensor]:
     """id(ShardedParam) -> its fp32 master, once any update still running behind the
     forward (host_step.py) is complete: shards, masters and optimizer state are read after it."""
-    engine._settle()
-    if engine.optimizer is None:
-        return {}
-    return {id(sp): m for sp, m in zip(engine.optimizer.params, engine.optimizer.masters)}
+    return engine.optimizer.settled_masters() if engine.optimizer is not None else {}
 
 
 def full_fp32_param(engine: "Engine", param: nn.Parameter) -> torch.Tensor:
@@ -328,7 +326,7 @@ def iter_consolidated(engine: "Engine", specs: list[tuple[TensorSpec, str, Any]]
     A collective generator: every rank must run it to the end. Each parameter is gathered
     once and its value reused for its aliases; nothing is kept after it is yielded.
     """
-    engine._settle()  # the shards are read below, masters or not
+    settle(engine.optimizer)  # the shards are read below, masters or not
     masters = master_map(engine) if use_master else {}
     rank0 = engine.comm.rank == 0
     last_sp, last_value = None, None
@@ -414,7 +412,7 @@ def held_bytes(engine: "Engine") -> dict[str, int]:
     def nbytes(t: torch.Tensor | None) -> int:
         return 0 if t is None else t.numel() * t.element_size()
 
-    engine._settle()
+    settle(engine.optimizer)
     shards = sum(nbytes(sp.shard) for sp in engine.table.values())
     resident = sum(  # an aliased parameter's storage is its shard, counted above
         sp.param.untyped_storage().nbytes() for sp in engine.table.values() if sp.persistent and not sp.aliased

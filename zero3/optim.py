@@ -401,6 +401,18 @@ class ShardedOptimizer:
         masters, optimizer state or parameter shards outside the fetch path."""
         self.background.wait()
 
+    def settled_masters(self) -> dict[int, torch.Tensor]:
+        """id(ShardedParam) -> its fp32 master, once the update in flight is complete."""
+        self.wait()
+        return {id(sp): master for sp, master in zip(self.params, self.masters)}
+
+
+def settle(optimizer: ShardedOptimizer | None) -> None:
+    """Wait for `optimizer`'s update in flight, if there is an optimizer: before code
+    outside the step reads or writes parameter shards, masters or optimizer state."""
+    if optimizer is not None:
+        optimizer.wait()
+
     def _write_back_shards(self, group: list[int]) -> None:
         """master -> compute shard (a cast), one fused copy per device pair."""
         pairs: dict[tuple[torch.device, torch.device], tuple[list, list]] = {}
