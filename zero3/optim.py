@@ -407,12 +407,6 @@ class ShardedOptimizer:
         return {id(sp): master for sp, master in zip(self.params, self.masters)}
 
 
-def settle(optimizer: ShardedOptimizer | None) -> None:
-    """Wait for `optimizer`'s update in flight, if there is an optimizer: before code
-    outside the step reads or writes parameter shards, masters or optimizer state."""
-    if optimizer is not None:
-        optimizer.wait()
-
     def _write_back_shards(self, group: list[int]) -> None:
         """master -> compute shard (a cast), one fused copy per device pair."""
         pairs: dict[tuple[torch.device, torch.device], tuple[list, list]] = {}
@@ -452,3 +446,10 @@ def settle(optimizer: ShardedOptimizer | None) -> None:
 
 def dist_backend_is_nccl() -> bool:
     return dist.is_initialized() and dist.get_backend() == "nccl"
+
+
+def settle(optimizer: ShardedOptimizer | None) -> None:
+    """Wait for `optimizer`'s update in flight, if there is an optimizer: before code
+    outside the step reads or writes parameter shards, masters or optimizer state."""
+    if optimizer is not None:
+        optimizer.wait()
