@@ -441,12 +441,18 @@ def _read_config(config: Any) -> dict:
     if not isinstance(config, dict):
         config = getattr(config, "config", None) or {}
     settings: dict = {}
-    if config.get("bf16", {}).get("enabled"):
+    # "auto" (a Hugging Face placeholder) decides nothing: the values keep the dtype they
+    # are built or loaded in, and the engine casts them to its compute dtype.
+    if _enabled(config.get("bf16") or config.get("bfloat16")):
         settings["dtype"] = torch.bfloat16
-    elif config.get("fp16", {}).get("enabled"):
+    elif _enabled(config.get("fp16")):
         settings["dtype"] = torch.float16
     offload = (config.get("zero_optimization", {}) or {}).get("offload_param") or {}
     if offload.get("device") == "cpu":
         settings["remote_device"] = "cpu"
         settings["pin_memory"] = bool(offload.get("pin_memory", False))
     return settings
+
+
+def _enabled(section: Any) -> bool:
+    return isinstance(section, dict) and section.get("enabled") is True

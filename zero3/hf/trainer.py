@@ -78,6 +78,10 @@ class Zero3TrainerMixin:
         accelerator_args["mixed_precision"] = "no"
         return accelerator_args
 
+    def _move_model_to_device(self, model: Any, device: Any) -> None:
+        """Nothing: the engine places the model on its device (a model built inside
+        zero3.zero.Init holds empty partitioned parameters that must not be moved)."""
+
     # ------------------------------------------------------------------ the engine
     @property
     def _zero3_is_peft(self) -> bool:
