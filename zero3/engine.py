@@ -31,7 +31,7 @@ from .fetch import Fetcher
 from .gathered import register_engine, unregister_engine
 from .optim import ShardedOptimizer
 from .optimizers import build_optimizer, build_scheduler
-from .init import claim_init_shard, init_shard_of
+from .init import claim_init_shard, drop_forward_guards, init_shard_of
 from .released import guard_state_dict, refuse_released
 from .param_status import mark_managed
 from .partition import ParamState, ShardedParam
@@ -182,6 +182,7 @@ class Engine(EngineSurface, nn.Module):
                                 "context that no longer manages it; build the model afresh (or destroy() the "
                                 "other engine first, which gathers its parameters back)")
         self.init_shards = self._claim_init_shards(model)
+        drop_forward_guards(model)
         model.to(self.device)
         if self.compute_dtype != torch.float32:
             # Parameters only, as DeepSpeed: buffers keep their dtype.
