@@ -24,7 +24,7 @@ from .config import Zero3Config
 from .fetch import Fetcher, FetchUnit
 from .host_step import BackgroundStep
 from .grad_usage import GradUsage
-from .init import claim_init_shard, init_shard_of
+from .init import claim_init_shard, drop_forward_guards, init_shard_of
 from .optim import ShardedOptimizer
 from .optimizers import build_optimizer, build_scheduler
 from .param_status import mark_managed
@@ -59,6 +59,7 @@ def prepare_module(model: nn.Module, device: torch.device, compute_dtype: torch.
                             "context that no longer manages it; build the model afresh (or destroy() the "
                             "other engine first, which gathers its parameters back)")
     init_shards = claim_init_shards(model, device, compute_dtype, comm)
+    drop_forward_guards(model)
     model.to(device)
     if compute_dtype != torch.float32:
         for p in model.parameters():

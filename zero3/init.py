@@ -140,6 +140,14 @@ def _guard_module(module: nn.Module) -> None:
         _forward_guarded[module] = module.register_forward_pre_hook(_refuse_partitioned_forward)
 
 
+def drop_forward_guards(model: nn.Module) -> None:
+    """An engine has adopted `model`'s parameters: its modules' forward guards go."""
+    for module in model.modules():
+        handle = _forward_guarded.pop(module, None)
+        if handle is not None:
+            handle.remove()
+
+
 def _refuse_partitioned_forward(module: nn.Module, args: tuple) -> None:
     """Forward pre-hook: no-op once an engine has adopted the parameters (or inside Init)."""
     if Init._active is not None:

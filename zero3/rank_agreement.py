@@ -59,9 +59,13 @@ def config_items(config: Any, prefix: str = "") -> dict[str, str]:
 
 
 def stable_repr(value: Any) -> str:
-    """repr with dict keys sorted (a JSON file's key order must not count as a difference)."""
+    """repr with dict keys sorted (a JSON file's key order must not count as a difference)
+    and tensors by value and dtype (each rank's tensors live on its own device)."""
     if isinstance(value, dict):
         return "{" + ", ".join(f"{k!r}: {stable_repr(v)}" for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))) + "}"
+    if isinstance(value, torch.Tensor):  # e.g. a capturable optimizer's lr: values, not the device
+        shown = value.detach().cpu().tolist() if value.numel() <= 16 else f"shape {tuple(value.shape)}"
+        return f"tensor({shown}, {value.dtype})"
     if isinstance(value, (list, tuple)):
         inner = ", ".join(stable_repr(v) for v in value)
         return f"[{inner}]" if isinstance(value, list) else f"({inner})"
