@@ -99,6 +99,9 @@ SCENARIOS = [
      "resume_after": (2, 0)},
     {"name": "sgd_window", "opt": "sgd", "ga": 2, "prefetch": False, "pattern": "window"},
     {"name": "adamw_one_rank", "opt": "adamw", "ga": 1, "prefetch": True, "pattern": "one_rank"},
+    # the two resumed runs above, uninterrupted: a resume must be bit-exact
+    {"name": "adamw_clip", "opt": "adamw", "ga": 1, "prefetch": False, "pattern": "alternate", "clip": 0.05},
+    {"name": "adamw_window", "opt": "adamw", "ga": 2, "prefetch": True, "pattern": "window"},
     {"name": "adamw_host_step", "opt": "adamw", "ga": 1, "prefetch": True, "pattern": "alternate",
      "zero": {"offload_optimizer": {"device": "cpu", "overlap_step": True}, "offload_param": {"device": "cpu"}}},
     {"name": "sgd_offload_optimizer", "opt": "sgd", "ga": 2, "prefetch": True, "pattern": "window",
@@ -201,6 +204,13 @@ def test_unused_parameters_are_skipped_as_in_plain_pytorch(world, tmp_path):
         params = results[0][index]["params"]
         for name, ref_param in ref["params"].items():
             torch.testing.assert_close(params[name], ref_param, rtol=1e-5, atol=1e-6, msg=f"{sc['name']}: {name}")
+    by_name = {sc["name"]: index for index, sc in enumerate(SCENARIOS)}
+    for resumed, plain in (("adamw_clip_resume", "adamw_clip"), ("adamw_window_resume_mid_window", "adamw_window")):
+        for rank_results in results:
+            a, b = rank_results[by_name[resumed]], rank_results[by_name[plain]]
+            assert a["losses"] == b["losses"], resumed
+        a, b = results[0][by_name[resumed]]["params"], results[0][by_name[plain]]["params"]
+        assert all(torch.equal(a[name], b[name]) for name in b), resumed
     # the skips happened: fc2 and block.b were stepped on half of the steps only
     sgd_steps = reference(SCENARIOS[1], world)["states"]
     assert int(sgd_steps["fc2.weight"]) == STEPS // 2 and int(sgd_steps["fc1.weight"]) == STEPS
