@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Issue 3's access patterns against DeepSpeed 0.19.8 (not collected by pytest).
+"""The access patterns against DeepSpeed 0.19.8 (not collected by pytest).
 
 Runs the cases of tests/test_access_*.py (tests/access_cases.py) with `deepspeed.initialize` instead of
 `zero3.initialize`, on real gloo processes (tests/harness.py), and compares them with the
