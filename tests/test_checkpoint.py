@@ -88,7 +88,7 @@ def same(a, b) -> bool:
 def reseal(folder: Path, changed: list[str]) -> None:
     """Rewrite the manifest as an attacker with write access would: new sizes, sha256s
     and manifest checksum for the `changed` files, so verification passes."""
-    from zero3.checkpoint import MANIFEST, file_digest, seal
+    from zero3.checkpoint_format import MANIFEST, file_digest, seal
 
     manifest = json.loads((folder / MANIFEST).read_text())
     for name in changed:
@@ -105,7 +105,7 @@ def flip_byte(path: Path, offset: int | None = None) -> None:
 
 # ------------------------------------------------------------ format, commit
 def test_layout_manifest_and_latest(tmp_path):
-    from zero3.checkpoint import MANIFEST, file_digest, read_manifest
+    from zero3.checkpoint_format import MANIFEST, file_digest, read_manifest
     from zero3.export import consolidated_state_dict
 
     engine = local_engine(ga=2)
@@ -137,7 +137,7 @@ def test_layout_manifest_and_latest(tmp_path):
 
 
 def test_save_latest_false_keeps_latest_and_a_resave_replaces_the_tag(tmp_path):
-    from zero3.checkpoint import list_tags
+    from zero3.checkpoint_format import list_tags
 
     engine = local_engine()
     train(engine, 1)
@@ -158,7 +158,7 @@ def test_save_latest_false_keeps_latest_and_a_resave_replaces_the_tag(tmp_path):
 
 def test_foreign_files_in_a_tag_folder_are_refused_and_nothing_changes(tmp_path):
     from zero3 import CheckpointError
-    from zero3.checkpoint import verify_checkpoint
+    from zero3.checkpoint_format import verify_checkpoint
 
     engine = local_engine()
     train(engine, 1)
@@ -523,7 +523,7 @@ def test_a_different_scheduler_is_refused_unless_its_state_is_skipped(tmp_path):
 
 
 def test_exclude_frozen_parameters(tmp_path):
-    from zero3.checkpoint import read_manifest
+    from zero3.checkpoint_format import read_manifest
     from zero3.export import consolidated_state_dict
 
     source = local_engine(make_model(seed=0))  # blocks.1 is frozen

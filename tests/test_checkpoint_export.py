@@ -89,7 +89,7 @@ def export_run(rank: int, world: int, root: str, bf16: bool) -> dict:
 
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
 def test_exports_load_into_a_plain_model_and_give_the_same_outputs(tmp_path, bf16):
-    from zero3.checkpoint import MODEL_16BIT, read_manifest, verify_checkpoint
+    from zero3.checkpoint_format import MODEL_16BIT, read_manifest, verify_checkpoint
 
     results = run_ranks(export_run, 2, str(tmp_path), bf16)
     r = results[0]  # BatchNorm statistics are per rank (as with DDP); exports hold rank 0's, as DeepSpeed

@@ -1,4 +1,7 @@
-"""Checkpoints: save / load / reshard, commit marker, checksums, RNG and counters.
+"""Checkpoints, engine side: save / load / reshard, commit protocol, RNG and counters.
+
+The format's read-only side (names, manifest, verification, tags, the shard reader) is
+checkpoint_format.py, shared with the CLI, the offline export and the DeepSpeed import.
 
 Layout of `save_dir/<tag>/` (W ranks saved it):
   rank{r:05d}-of-{W:05d}.safetensors  rank r's unpadded slices, per parameter by name:
@@ -8,7 +11,9 @@ Layout of `save_dir/<tag>/` (W ranks saved it):
                                  optim_whole/<name>/<key> any other tensor state (AdamW's step)
                                  grad/<name>              fp32 gradient accumulated so far, when
                                                           saved inside an accumulation window
-                               and in rank 0's file, buffer/<name>: the persistent buffers.
+                               and in rank 0's file, buffer/<name>: the persistent buffers,
+                                 late/<name>: parameters attached after initialize, whole
+                                 (late_params.py)
   rank{r:05d}-of-{W:05d}.state.pt    rank r's RNG states: python, numpy, torch, cuda
   common.pt                    counters, scheduler, client_state, optimizer hyper-parameters
   pytorch_model.safetensors    consolidated 16-bit weights, only with the config's
@@ -74,24 +79,27 @@ import hashlib
 import io
 import json
 import logging
-import math
 import os
 import random
-import re
 import sys
 import time
-from contextlib import ExitStack, nullcontext
-from dataclasses import dataclass, field
+from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
-from safetensors import safe_open
 
+from .checkpoint_errors import CheckpointError
+from .checkpoint_format import (COMMON, FORMAT_VERSION, LATEST, MANIFEST, MODEL_16BIT, OWN_FILE, ShardReader,
+                                plain_value_problem, read_manifest, resolve_tag, seal, shard_file, state_file,
+                                unpickle_file, verify_files)
+from .checkpoint_paths import checked_tag
 from .ds_layout import DeepSpeedCheckpoint, deepspeed_tag_folder
 from .export import (TensorSpec, fsync_dir, master_map, on_every_rank, parameter_aliases, persistent_buffers,
-                     save_consolidated, write_safetensors)
+                     removed_on_failure, save_consolidated, write_safetensors)
+from .late_params import LATE_KEY, late_layout, restore_late, unmanaged_parameters
 from .partition import ParamState, ShardedParam
 from .version import __version__
 
@@ -100,11 +108,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("zero3")
 
-FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
-COMMON = "common.pt"
-LATEST = "latest"
-MODEL_16BIT = "pytorch_model.safetensors"
 PAUSE_ENV = "ZERO3_CHECKPOINT_PAUSE"
 PAUSE_MARKER_ENV = "ZERO3_CHECKPOINT_PAUSE_MARKER"
 PAUSE_PHASES = {
@@ -112,45 +115,11 @@ PAUSE_PHASES = {
     "shards-written": "rank 0, after every rank committed its files, before the manifest",
     "manifest-written": "rank 0, after the manifest is committed, before `latest`",
 }
-_OURS = re.compile(
-    r"^(rank\d{5}-of-\d{5}\.(safetensors|state\.pt)|" + re.escape(COMMON) + "|"
-    + re.escape(MODEL_16BIT) + "|" + re.escape(MANIFEST) + r")(\.tmp)?$"
-)
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is incomplete, damaged, or does not fit the model."""
-
-
-# ---------------------------------------------------------------------- names
-def shard_file(rank: int, world: int) -> str:
-    return f"rank{rank:05d}-of-{world:05d}.safetensors"
-
-
-def state_file(rank: int, world: int) -> str:
-    return f"rank{rank:05d}-of-{world:05d}.state.pt"
-
-
-def owned_range(numel: int, rank: int, world: int) -> tuple[int, int]:
-    """[start, end) of the flattened elements rank `rank` of `world` owns (partition.py)."""
-    shard = math.ceil(numel / world) if numel else 0
-    start = min(rank * shard, numel)
-    return start, min(start + shard, numel)
-
-
-def expected_files(world: int) -> list[str]:
-    """The files every checkpoint of `world` ranks has (the 16-bit model is optional)."""
-    names = [COMMON]
-    for rank in range(world):
-        names += [shard_file(rank, world), state_file(rank, world)]
-    return names
-
-
 # ------------------------------------------------------------------ file I/O
 def _write_bytes_atomically(path: Path, data: bytes) -> dict[str, Any]:
     """`path` becomes `data` or stays as it was: temporary name, fsync, rename, fsync dir."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
+    with removed_on_failure(tmp), open(tmp, "wb") as f:  # a full disk: the error names `tmp`, removed
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
@@ -159,29 +128,10 @@ def _write_bytes_atomically(path: Path, data: bytes) -> dict[str, Any]:
     return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 
-def file_digest(path: Path) -> dict[str, Any]:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return {"size": path.stat().st_size, "sha256": h.hexdigest()}
-
-
 def _pickled(obj: Any) -> bytes:
     buffer = io.BytesIO()
     torch.save(obj, buffer)
     return buffer.getvalue()
-
-
-def _unpickle_file(path: Path) -> Any:
-    """torch.load with weights_only=True: tensors and plain containers, never code."""
-    try:
-        return torch.load(path, weights_only=True, map_location="cpu")
-    except Exception as exc:  # noqa: BLE001 - named and re-raised
-        raise CheckpointError(
-            f"{path}: refused to load ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
-            "only tensors and plain values are loaded (weights_only=True), never code"
-        ) from exc
 
 
 # ------------------------------------------------------------ debugging aid
@@ -217,36 +167,6 @@ def _check_pause_setting() -> None:
 
 
 # ----------------------------------------------------------------------- save
-_PLAIN = (str, int, float, bool, type(None))
-
-
-def plain_value_problem(value: Any, path: str = "client_state") -> str | None:
-    """Where `value` holds something other than JSON-like values and tensors, or None.
-
-    Allowed: None, bool, int, float, str, torch.Tensor, and list / tuple / dict of
-    those (dict keys: str, int, float, bool or None) - what loads with weights_only=True.
-    """
-    if isinstance(value, torch.Tensor):
-        return None if type(value) in (torch.Tensor, torch.nn.Parameter) else f"{path}: tensor subclass {type(value).__name__}"
-    if type(value) in _PLAIN:
-        return None
-    if type(value) in (list, tuple):
-        for index, item in enumerate(value):
-            problem = plain_value_problem(item, f"{path}[{index}]")
-            if problem:
-                return problem
-        return None
-    if type(value) is dict:
-        for key, item in value.items():
-            if type(key) not in _PLAIN:
-                return f"{path}: key {key!r} of type {type(key).__name__}"
-            problem = plain_value_problem(item, f"{path}[{key!r}]")
-            if problem:
-                return problem
-        return None
-    return f"{path}: {type(value).__module__}.{type(value).__qualname__}"
-
-
 def _check_client_state(client_state: Any) -> None:
     if type(client_state) is not dict:
         raise CheckpointError(f"client_state must be a dict, got {type(client_state).__name__}")
@@ -300,6 +220,8 @@ def _rank_tensors(engine: "Engine", exclude_frozen: bool) -> tuple[list[TensorSp
     if engine.comm.rank == 0:
         for name, buffer in persistent_buffers(engine.module).items():
             add(f"buffer/{name}", buffer)
+        for name, p in unmanaged_parameters(engine.module, engine.table).items():
+            add(LATE_KEY + name, p.detach())
     return specs, producers, kinds
 
 
@@ -340,10 +262,7 @@ def _common_state(engine: "Engine", client_state: dict) -> dict[str, Any]:
     has_state = scheduler is not None and hasattr(scheduler, "state_dict")
     return {
         "format_version": FORMAT_VERSION,
-        "global_steps": engine.global_steps,
-        "micro_steps": engine.micro_steps,
-        "global_samples": engine.global_samples,
-        "skipped_steps": engine.skipped_steps,
+        **engine.counters.state_dict(),
         "loss_scaler": engine.loss_scaler_state() if hasattr(engine, "loss_scaler_state") else None,
         "param_groups": groups,
         "optim_extras": extras,
@@ -377,7 +296,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 def _prepare_folder(folder: Path) -> None:
     """Rank 0: make `folder` an empty, incomplete tag; refuse files zero3 did not write."""
     folder.mkdir(parents=True, exist_ok=True)
-    foreign = sorted(p.name for p in folder.iterdir() if not (p.is_file() and _OURS.match(p.name)))
+    foreign = sorted(p.name for p in folder.iterdir() if not (p.is_file() and OWN_FILE.match(p.name)))
     if foreign:
         raise CheckpointError(
             f"checkpoint folder {folder} holds entries zero3 did not write: {foreign}; save under "
@@ -489,21 +408,13 @@ def _manifest(engine: "Engine", tag: str, files: dict, kinds: dict, exclude_froz
         "buffers": {name: {"shape": list(b.shape), "dtype": _dtype_name(b.dtype)}
                     for name, b in persistent_buffers(engine.module).items()},
         "aliases": parameter_aliases(engine),
+        "late_params": late_layout(engine.module, engine.table),
     }
 
 
-def _body_digest(body: dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
-
-
-def seal(manifest: dict[str, Any]) -> dict[str, Any]:
-    """The manifest with `checksum`: the sha256 of its canonical JSON without that key."""
-    body = {k: v for k, v in manifest.items() if k != "checksum"}
-    return {**body, "checksum": _body_digest(body)}
-
-
 def _check_tag_name(tag: str) -> None:
-    if not tag or "/" in tag or "\\" in tag or tag in (".", "..") or tag.startswith("."):
+    checked_tag(tag, "save_checkpoint's tag argument")
+    if str(tag).startswith("."):
         raise CheckpointError(f"checkpoint tag {tag!r} is not a valid folder name; use e.g. 'global_step100'")
 
 
@@ -533,242 +444,6 @@ def _agree_on_tag(engine: "Engine", tag: str) -> str:
 
 def _zero3_version() -> str:
     return __version__
-
-
-# ------------------------------------------------------------ reading a folder
-def read_manifest(folder: Path) -> dict[str, Any]:
-    """The verified manifest of `folder`; CheckpointError if absent, damaged or foreign."""
-    folder = Path(folder)
-    path = folder / MANIFEST
-    if not path.is_file():
-        raise CheckpointError(
-            f"checkpoint {folder} is incomplete: it has no {MANIFEST} (the save did not finish, "
-            "or was interrupted). Load an earlier tag, or save again"
-        )
-    try:
-        manifest = json.loads(path.read_text())
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{path} is not valid JSON ({exc}); the checkpoint is damaged") from exc
-    if not isinstance(manifest, dict) or manifest.get("format") != "zero3":
-        raise CheckpointError(f"{path} is not a zero3 manifest")
-    if manifest.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(
-            f"{path}: format version {manifest.get('format_version')!r}; this zero3 reads version "
-            f"{FORMAT_VERSION}"
-        )
-    body = {k: v for k, v in manifest.items() if k != "checksum"}
-    if manifest.get("checksum") != _body_digest(body):
-        raise CheckpointError(f"{path}: its checksum does not match its contents (the manifest is corrupted)")
-    unlisted = [name for name in expected_files(manifest["world_size"]) if name not in manifest["files"]]
-    if unlisted:
-        raise CheckpointError(f"{path} does not list {unlisted}; the manifest is damaged")
-    return manifest
-
-
-def verify_files(folder: Path, manifest: dict[str, Any], share: tuple[int, int] = (0, 1)) -> list[str]:
-    """Problems with the files of a checkpoint, each naming its file.
-
-    `share` = (rank, world): presence and size of every file are checked by every rank,
-    checksums and safetensors headers by this rank's share of the files only; rank 0
-    also looks for extra entries. The union over ranks is the full check.
-    """
-    folder = Path(folder)
-    rank, world = share
-    problems: list[str] = []
-    listed = manifest["files"]
-    if rank == 0:
-        present = {p.name for p in folder.iterdir()} - {MANIFEST}
-        for extra in sorted(present - set(listed)):
-            problems.append(f"{folder / extra}: extra file not listed in the manifest")
-    for index, (name, expected) in enumerate(sorted(listed.items())):
-        path = folder / name
-        if not path.is_file():
-            problems.append(f"{path}: missing")
-            continue
-        size = path.stat().st_size
-        if size != expected["size"]:
-            problems.append(f"{path}: size {size} bytes, manifest says {expected['size']} (truncated or overwritten)")
-            continue
-        if index % world != rank:
-            continue
-        if file_digest(path)["sha256"] != expected["sha256"]:
-            problems.append(f"{path}: sha256 differs from the manifest (the file is corrupted)")
-        elif name.endswith(".safetensors") and name != MODEL_16BIT:
-            problems += _header_problems(path, manifest)
-    return problems
-
-
-def _header_problems(path: Path, manifest: dict[str, Any]) -> list[str]:
-    """A shard file's tensors against the layout: names, lengths (the writer's invariants)."""
-    match = re.match(r"rank(\d{5})-of-(\d{5})", path.name)
-    if match is None:
-        return [f"{path}: not a zero3 shard file name"]
-    rank, world = int(match.group(1)), int(match.group(2))
-    problems = []
-    try:
-        with safe_open(str(path), framework="pt") as handle:
-            shapes = {key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()}
-    except Exception as exc:  # noqa: BLE001 - named
-        return [f"{path}: unreadable safetensors ({exc})"]
-    for name, entry in manifest["params"].items():
-        start, end = owned_range(entry["numel"], rank, world)
-        wanted = {f"param/{name}": (end - start,)}
-        if entry.get("master"):
-            wanted[f"master/{name}"] = (end - start,)
-        if entry.get("grad"):
-            wanted[f"grad/{name}"] = (end - start,)
-        for key, kind in entry.get("optim", {}).items():
-            if kind == "elementwise":
-                wanted[f"optim/{name}/{key}"] = (end - start,)
-            elif f"optim_whole/{name}/{key}" not in shapes:
-                problems.append(f"{path}: no tensor optim_whole/{name}/{key}")
-        for key, shape in wanted.items():
-            if shapes.get(key) != shape:
-                problems.append(f"{path}: tensor {key} has shape {shapes.get(key)}, layout says {shape}")
-    if rank == 0:
-        for name, entry in manifest.get("buffers", {}).items():
-            if shapes.get(f"buffer/{name}") != tuple(entry["shape"]):
-                problems.append(f"{path}: buffer {name} has shape {shapes.get(f'buffer/{name}')}, "
-                                f"layout says {tuple(entry['shape'])}")
-    return problems
-
-
-def verify_checkpoint(folder: Path) -> list[str]:
-    """Every problem of one tag folder (manifest, files, checksums, headers), one process."""
-    try:
-        manifest = read_manifest(folder)
-    except CheckpointError as exc:
-        return [str(exc)]
-    return verify_files(folder, manifest)
-
-
-@dataclass
-class TagInfo:
-    """One tag folder of a save_dir, as `zero3 checkpoint inspect` shows it."""
-
-    tag: str
-    folder: Path
-    complete: bool
-    problem: str | None = None
-    manifest: dict[str, Any] | None = field(default=None, repr=False)
-    size_bytes: int = 0
-    files: int = 0
-
-
-def looks_like_checkpoint(folder: Path) -> bool:
-    return folder.is_dir() and any(_OURS.match(p.name) for p in folder.iterdir())
-
-
-def tag_info(folder: Path) -> TagInfo:
-    """Committed (a readable, sealed manifest) or not, and why not; sizes on disk."""
-    entries = [p for p in folder.iterdir() if p.is_file()]
-    info = TagInfo(folder.name, folder, False, size_bytes=sum(p.stat().st_size for p in entries),
-                   files=len(entries))
-    try:
-        info.manifest = read_manifest(folder)
-        info.complete = True
-    except CheckpointError as exc:
-        info.problem = str(exc)
-    return info
-
-
-def list_tags(root: Path) -> list[TagInfo]:
-    """Every checkpoint-looking folder under `root`, oldest first (committed ones by step)."""
-    root = Path(root)
-    infos = [tag_info(p) for p in sorted(root.iterdir()) if looks_like_checkpoint(p)] if root.is_dir() else []
-    return sorted(infos, key=_age)
-
-
-def _age(info: TagInfo) -> tuple:
-    if info.manifest is None:
-        return (1, 0, 0.0, info.tag)
-    return (0, info.manifest["global_steps"], info.manifest["created_unix"], info.tag)
-
-
-def read_latest(root: Path) -> str | None:
-    latest = Path(root) / LATEST
-    return latest.read_text().strip() if latest.is_file() else None
-
-
-def resolve_tag(root: Path, tag) -> tuple[str | None, str | None]:
-    """(tag to load or None, warning or None), by the rules in the module docstring."""
-    root = Path(root)
-    if tag is not None:
-        if not (root / str(tag)).is_dir():
-            return None, f"zero3: checkpoint tag {str(tag)!r} not found in {root}; nothing was loaded"
-        return str(tag), None
-    named = read_latest(root)
-    if named is None:
-        return None, (f"zero3: no checkpoint to load in {root}: it has no '{LATEST}' file; pass tag= "
-                      "to load a specific one. Nothing was loaded")
-    folder = root / named
-    if (folder / MANIFEST).is_file():
-        return named, None
-    committed = [info for info in list_tags(root) if info.complete]
-    why = "has no folder" if not folder.is_dir() else f"has no {MANIFEST} (its save was interrupted)"
-    if not committed:
-        raise CheckpointError(
-            f"{root / LATEST} names tag {named!r}, which {why}, and {root} holds no other complete "
-            "checkpoint; refusing to start from scratch silently. Pass tag= or remove the directory"
-        )
-    chosen = committed[-1]
-    return chosen.tag, (
-        f"zero3: {root / LATEST} names tag {named!r}, which {why}; loading the newest complete "
-        f"checkpoint instead: {chosen.tag!r} (global step {chosen.manifest['global_steps']})"
-    )
-
-
-# ----------------------------------------------------------------------- reader
-class ShardReader:
-    """Reads any element range of a saved tensor from the files of all source ranks.
-
-    A context manager: the files are open (memory-mapped) only inside `with`.
-    """
-
-    def __init__(self, folder: Path, manifest: dict[str, Any]) -> None:
-        self.folder = Path(folder)
-        self.world = manifest["world_size"]
-        self._stack = ExitStack()
-        self.handles: list[Any] = []
-        self.keys: list[set[str]] = []
-
-    def __enter__(self) -> "ShardReader":
-        try:
-            for rank in range(self.world):
-                handle = self._stack.enter_context(
-                    safe_open(str(self.folder / shard_file(rank, self.world)), framework="pt"))
-                self.handles.append(handle)
-                self.keys.append(set(handle.keys()))
-        except BaseException:
-            self._stack.close()
-            raise
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.handles.clear()
-        self.keys.clear()
-        self._stack.close()
-
-    def read_range(self, key: str, numel: int, start: int, end: int) -> torch.Tensor:
-        """Elements [start, end) of the flattened tensor `key` (numel elements in all)."""
-        pieces = []
-        for src in range(self.world):
-            src_start, src_end = owned_range(numel, src, self.world)
-            lo, hi = max(start, src_start), min(end, src_end)
-            if lo >= hi:
-                continue
-            pieces.append(self.handles[src].get_slice(key)[lo - src_start:hi - src_start])
-        if not pieces:
-            return self.handles[0].get_slice(key)[0:0]
-        return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
-
-    def read_whole(self, key: str, rank: int = 0) -> torch.Tensor:
-        """Tensor `key` as saved by source rank `rank` (not resharded)."""
-        return self.handles[rank].get_tensor(key)
-
-    def whole_shape(self, key: str) -> tuple[int, ...]:
-        """The shape of tensor `key` in source rank 0's file, without reading it."""
-        return tuple(self.handles[0].get_slice(key).get_shape())
 
 
 # ----------------------------------------------------------------------- load
@@ -840,9 +515,9 @@ class _Plan:
 
 def _plan(engine: "Engine", folder: Path, manifest: dict[str, Any], strict: bool,
           load_optimizer_states: bool, load_lr_scheduler_states: bool, load_module_only: bool) -> _Plan:
-    common = _unpickle_file(folder / COMMON)
+    common = unpickle_file(folder / COMMON)
     rank, world = engine.comm.rank, manifest["world_size"]
-    rng = _unpickle_file(folder / state_file(rank, world)) if (rank < world and not load_module_only) else None
+    rng = unpickle_file(folder / state_file(rank, world)) if (rank < world and not load_module_only) else None
     plan = _Plan(folder, manifest, common, rng, False, lambda: ShardReader(folder, manifest))
     return _checked_plan(engine, plan, strict, load_optimizer_states, load_lr_scheduler_states, load_module_only)
 
@@ -978,6 +653,8 @@ def _apply(engine: "Engine", plan: _Plan, load_lr_scheduler_states: bool, load_m
             for name, buffer in persistent_buffers(engine.module).items():
                 if name in saved_buffers:
                     buffer.copy_(reader.read_whole(f"buffer/{name}"))
+        restore_late(engine.module, engine.table, plan.manifest.get("late_params", {}), reader.read_whole,
+                     engine.comm.rank)
     common = plan.common
     if plan.restore_optimizer:
         for group, saved in zip(engine.optimizer.optimizer.param_groups, common["param_groups"]):
@@ -985,10 +662,7 @@ def _apply(engine: "Engine", plan: _Plan, load_lr_scheduler_states: bool, load_m
     if not load_module_only:
         if load_lr_scheduler_states and engine.lr_scheduler is not None and common["lr_scheduler"] is not None:
             engine.lr_scheduler.load_state_dict(common["lr_scheduler"])
-        engine.global_steps = common["global_steps"]
-        engine.micro_steps = common["micro_steps"]
-        engine.global_samples = common["global_samples"]
-        engine.skipped_steps = common["skipped_steps"]
+        engine.counters.load_state_dict(common)
         if common.get("loss_scaler") is not None and hasattr(engine, "load_loss_scaler_state"):
             engine.load_loss_scaler_state(common["loss_scaler"])
         if plan.rng is not None and plan.rng.get("rng") is not None:  # None: imported, saved without RNG

@@ -27,7 +27,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from . import checkpoint as ckpt
+from . import checkpoint_format as ckpt
+from .checkpoint_paths import checked_tag
 from .ds_layout import DeepSpeedCheckpoint, is_deepspeed_checkpoint
 from .ds_unpickle import DeepSpeedCheckpointError
 
@@ -52,7 +53,7 @@ def _target(directory: Path, tag: str | None) -> tuple[Path, list[str]]:
             f"{directory} is a DeepSpeed ZeRO-3 checkpoint: `zero3 checkpoint inspect` checks it, "
             f"`zero3 checkpoint import-deepspeed {directory} DST` converts it; verify or export DST")
     if tag is not None:
-        folder = directory / tag
+        folder = directory / checked_tag(tag, "--tag")
         if not folder.is_dir():
             raise ckpt.CheckpointError(f"{folder}: no such checkpoint tag")
         return folder, []
@@ -94,9 +95,10 @@ def inspect(directory: Path, as_json: bool) -> int:
     else:
         infos, latest = ckpt.list_tags(directory), ckpt.read_latest(directory)
     rows = [_tag_row(i) for i in infos]
+    status = _inspect_status(directory, rows, latest)
     if as_json:
         print(json.dumps({"directory": str(directory), "latest": latest, "tags": rows}, indent=1))
-        return 0
+        return status
     print(f"checkpoint directory {directory}")
     if not _is_tag_folder(directory):
         named = next((r for r in rows if r["tag"] == latest), None)
@@ -104,7 +106,7 @@ def inspect(directory: Path, as_json: bool) -> int:
         print(f"latest: {latest if latest is not None else '(no latest file)'}{note}")
     if not rows:
         print("no checkpoint folders")
-        return 0
+        return status
     print(f"{'TAG':<24} {'COMPLETE':<9} {'STEP':>7} {'WORLD':>5} {'PARAMS':>7} {'FILES':>5} {'SIZE':>10}  SAVED")
     for r in rows:
         if r["complete"]:
@@ -114,7 +116,18 @@ def inspect(directory: Path, as_json: bool) -> int:
         else:
             print(f"{r['tag']:<24} {'NO':<9} {'-':>7} {'-':>5} {'-':>7} {r['files']:>5} "
                   f"{_human(r['size_bytes']):>10}  incomplete: {r['problem']}")
-    return 0
+    return status
+
+
+def _inspect_status(directory: Path, rows: list[dict], latest: str | None) -> int:
+    """1 when what would be loaded is not a complete checkpoint: the tag folder inspected
+    is incomplete, or `latest` names a tag that is missing or incomplete; else 0."""
+    if _is_tag_folder(directory):
+        return 0 if all(r["complete"] for r in rows) else 1
+    if latest is None:
+        return 0
+    named = next((r for r in rows if r["tag"] == latest), None)
+    return 0 if named is not None and named["complete"] else 1
 
 
 def inspect_deepspeed(directory: Path, as_json: bool) -> int:
@@ -170,7 +183,7 @@ def verify(directory: Path, tag: str | None, every: bool) -> int:
         else:
             manifest = ckpt.read_manifest(folder)
             print(f"OK      {folder} (global step {manifest['global_steps']}, world size {manifest['world_size']}, "
-                  f"{len(manifest['files'])} files: sizes and sha256 match the manifest)")
+                  f"{len(manifest['files'])} files: sizes and sha256 match the manifest, pickled state loads safely)")
         problems += found
     if problems:
         print(f"zero3: {len(problems)} problem(s) found", file=sys.stderr)

@@ -296,6 +296,7 @@ class Zero3Config:
     log_level: str | None
     vocabulary_size: int | None
     checkpoint_tag_validation: str
+    checkpoint_arrival_timeout: float
     throughput_timer_enabled: bool
     throughput_timer_synchronized: bool
     raw: dict
@@ -783,7 +784,8 @@ _ZERO_RULES: dict[str, _Rule] = {
                                      "itself, whose storage is released, so a linear layer never "
                                      "pins a gathered weight", _REMOVE),
     "ignore_unused_parameters": _Only(_is(True), "true",
-                                      "zero3 gives a parameter unused in a step a zero gradient",
+                                      "a parameter no rank used in a window is skipped by the "
+                                      "optimizer step, as in plain PyTorch",
                                       _REMOVE),
     "compute_grad_norm": _Only(_is(True), "true",
                                "the global gradient norm is always computed at stage 3 (DeepSpeed "
@@ -1163,6 +1165,9 @@ def _scheduler(key: str, value: Any) -> ComponentSpec | None:
 _CHECKPOINT_RULES: dict[str, _Rule] = {
     "tag_validation": _Map("tag_validation", _choice({"warn": "WARN", "ignore": "IGNORE", "fail": "FAIL"}),
                            "Warn / Ignore / Fail when ranks save with different tags"),
+    "arrival_timeout": _Map("arrival_timeout", _float(0.0, strict=True),
+                            "zero3: seconds save_checkpoint / load_checkpoint wait for every rank to arrive "
+                            "before raising CheckpointArrivalError (default 60)"),
     "load_universal": _off(False, "DeepSpeed's universal checkpoint format is not read by zero3",
                            "Remove the key: zero3 checkpoints load on any world size."),
     "use_node_local_storage": _off(False, "zero3 writes every checkpoint to one shared directory"),
@@ -1435,6 +1440,7 @@ def from_deepspeed(config: "dict | str | os.PathLike", world_size: int) -> Zero3
         log_level=values.get("log_level"),
         vocabulary_size=values.get("vocabulary_size"),
         checkpoint_tag_validation=values.get("_checkpoint", {}).get("tag_validation", "WARN"),
+        checkpoint_arrival_timeout=values.get("_checkpoint", {}).get("arrival_timeout", 60.0),
         throughput_timer_enabled=timers.get("throughput_timer_enabled", True),
         throughput_timer_synchronized=timers.get("throughput_timer_synchronized", True),
         raw=copy.deepcopy(raw),
@@ -1468,7 +1474,8 @@ _DOC_FIELDS = {
     "_data_types": "checked against precision.dtype", "_timers": "throughput_timer_*",
     "_checkpoint": "checkpoint_tag_validation", "enabled": "precision.dtype",
     "check_grad_overflow": "precision.check_grad_overflow", "param_dtype": "checked against precision.dtype",
-    "tag_validation": "checkpoint_tag_validation", "throughput": "throughput_timer_*",
+    "tag_validation": "checkpoint_tag_validation", "arrival_timeout": "checkpoint_arrival_timeout",
+    "throughput": "throughput_timer_*",
 }
 
 

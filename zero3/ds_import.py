@@ -32,17 +32,17 @@ from typing import Any
 import torch
 
 from . import __version__
-from . import checkpoint as ckpt
+from . import checkpoint_format as ckpt
 from .ds_layout import DeepSpeedCheckpoint
 from .ds_unpickle import DeepSpeedCheckpointError
-from .export import TensorSpec, fsync_dir, write_safetensors
+from .export import TensorSpec, fsync_dir, removed_on_failure, write_safetensors
 
 WORLD = 1  # the imported checkpoint holds every parameter whole, in one rank file
 
 
 def _write_atomically(path: Path, data: bytes) -> dict[str, Any]:
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
+    with removed_on_failure(tmp), open(tmp, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())

@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from .checkpoint_paths import checked_tag, read_pointer
 from .ds_unpickle import (DeepSpeedCheckpointError, SavedDynamicLossScaler, SavedLossScaler, SavedZeroStage,
                           load_deepspeed_file)
 
@@ -76,15 +77,14 @@ def deepspeed_tag_folder(root: Path, tag: str | None = None) -> Path | None:
     `root` is a save_dir (with `latest`, or with tag given) or a tag folder itself."""
     root = Path(root)
     if tag is not None:
-        folder = root / str(tag)
+        folder = root / checked_tag(tag, "the tag argument")
         return folder if _has_deepspeed_files(folder) else None
     if _has_deepspeed_files(root):
         return root
     for pointer in (LATEST, "latest_universal"):
-        if (root / pointer).is_file():
-            folder = root / (root / pointer).read_text().strip()
-            if _has_deepspeed_files(folder):
-                return folder
+        named = read_pointer(root / pointer)  # CheckpointPathError unless a plain folder name
+        if named is not None and _has_deepspeed_files(root / named):
+            return root / named
     return None
 
 

@@ -1,15 +1,30 @@
 """Engine: forward / backward / step over a ZeRO-3 sharded model, DeepSpeed's API.
 
-Construction (in this order, on every rank):
-  config -> device and dtype -> rank 0's initial values broadcast -> ShardedParams
-  (each rank keeps its shard; non-persistent parameters released) -> fetch units and
-  hooks -> gradient reducer -> optimizer on fp32 master shards -> lr scheduler.
+Construction (engine_build.py, in this order, on every rank): the model on its device
+and dtype, rank 0's values broadcast -> ShardedParams (each rank keeps its shard;
+non-persistent parameters released) -> fetch units -> the optimizer resolved and, for
+the overlapped CPU update, the one background worker -> gradient reducer -> fetcher
+(hooks) -> optimizer on fp32 master shards -> lr scheduler.
+
+The data path of one optimizer step, top to bottom:
+1. forward: each unit's pre-forward hook gathers its parameters (fetch.py -> wire.py:
+   one guarded all-gather per dtype, prefetched ahead by lookahead.py); reads of other
+   units' parameters are found by discovery.py and gathered too; the post-forward hook
+   drops the holds, which releases the full tensors.
+2. backward: each unit's pre-backward hook gathers again; each parameter's gradient is
+   taken by the reducer (reduce.py) as it is produced, bucketed, reduce-scattered and
+   added into the fp32 gradient shard (grad_sink.py, on the master device); the end of
+   the outermost backward pass (`_end_backward`, the one place a backward ends) flushes
+   the last buckets. Accumulation micro-steps add into the same shards.
+3. step at the boundary (optim.py): gradient norm over all ranks, clipping, the client
+   optimizer on the fp32 master shards (or on the CPU, behind the next forward:
+   host_step.py), masters cast into the parameter shards; resident parameters refreshed
+   from every rank's shard (`wire.gather_rows`); the lr scheduler steps.
 
 Counters follow DeepSpeed: `micro_steps` counts engine.step() calls, `global_steps`
 optimizer steps, `global_samples` samples; `is_gradient_accumulation_boundary()` is
 true on the micro-step whose step() runs the optimizer.
 """
-
 from __future__ import annotations
 
 import contextlib
@@ -22,34 +37,25 @@ from torch import nn
 
 from . import checkpoint as checkpoint_io
 from . import diagnostics, export, generation
+from . import engine_build as build
 from .accelerator import get_accelerator
+from .arrival import check_in
 from .comm import Communicator
 from .config import Zero3Config
+from .counters import StepCounters
+from .engine_build import EngineError
 from .engine_surface import EngineSurface
-from .fetch import Fetcher
 from .gathered import register_engine, unregister_engine
-from .optim import ShardedOptimizer
-from .optimizers import build_optimizer, build_scheduler
-from .init import claim_init_shard
-from .param_status import mark_managed
-from .partition import ParamState, ShardedParam
+from .late_params import LateParameters
+from .optim import settle
+from .partition import ParamState
 from .precision import LossScaler
+from .rank_agreement import check_ranks_agree, config_items, model_items, optimizer_items
 from .timers import StepTimers, ThroughputTimer
-from .reduce import GradReducer
-from .schedule import PrefetchPolicy
-from .units import build_units, choose_persistent
+from .units import build_units
+from .wire import gather_rows, group_by_dtype
 
 logger = logging.getLogger("zero3")
-
-
-ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = (
-    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, torch.optim.Adamax,
-    torch.optim.RMSprop, torch.optim.NAdam, torch.optim.RAdam, torch.optim.Rprop, torch.optim.ASGD,
-)
-
-
-class EngineError(RuntimeError):
-    """Misuse of the engine (wrong call order, missing optimizer, ...)."""
 
 
 class Engine(EngineSurface, nn.Module):
@@ -81,20 +87,30 @@ class Engine(EngineSurface, nn.Module):
             LossScaler.from_precision(config.precision) if self.compute_dtype == torch.float16 else None
         )
         self._init_counters()
+        if isinstance(model, nn.Module):  # before any other collective: ranks that disagree fail here
+            check_ranks_agree(self.comm, self.device, {
+                **config_items(config), **optimizer_items(optimizer), **model_items(model)})
         self._gc_disabled_here = diagnostics.apply_process_settings(config)
-        self.module = self._prepare_module(model)
+        init_shards = build.prepare_module(model, self.device, self.compute_dtype, self.comm)
+        self.module = model
         self.named_params = list(self.module.named_parameters())
-        self.table = self._shard_parameters()
+        self.table = build.shard_parameters(self.named_params, init_shards, config, self.comm, self.device)
         self.param_names = {sp.param: sp.name for sp in self.table.values()}
         self.units = build_units(self.module, self.table, config.zero.module_granularity_threshold,
                                  leaf_module=config.zero.leaf_module)
         self.master_device = (
             torch.device("cpu") if config.zero.offload_optimizer.device == "cpu" else self.device
         )
-        self.reducer = self._build_reducer()
-        self.fetcher = self._build_fetcher()
-        self.optimizer = self._build_optimizer(optimizer, model_parameters)
-        self.lr_scheduler = self._resolve_scheduler(lr_scheduler)
+        client_optimizer = build.resolve_optimizer(config, optimizer, model_parameters, self.module)
+        background = build.host_step_overlap(config, client_optimizer, self.device)
+        self.reducer = build.build_reducer(config, self.table, self.units, self.comm, self.master_device, background)
+        self.late_params = LateParameters(self.table, self.device, self.compute_dtype, self.comm.rank)
+        self.fetcher = build.build_fetcher(config, self.module, self.table, self.units, self.comm, self.device,
+                                           self._end_backward, self.reducer, self.late_params.adopt, background)
+        self.optimizer = build.build_sharded_optimizer(config, client_optimizer, self.table, self.comm,
+                                                       self.master_device, self.fetcher, self.reducer.usage,
+                                                       background)
+        self.lr_scheduler = build.resolve_scheduler(config, lr_scheduler, self.optimizer)
         register_engine(self)
         self._destroyed = False
         diagnostics.report_config(config, self.comm.rank)
@@ -102,233 +118,26 @@ class Engine(EngineSurface, nn.Module):
     def _init_counters(self) -> None:
         """DeepSpeed's counters and timers, and the per-call flags of backward and step."""
         config = self.config
-        self.global_steps = 0
-        self.micro_steps = 0
-        self.global_samples = 0
-        self.skipped_steps = 0
+        self.counters = StepCounters()
         self._boundary_override: bool | None = None  # set_gradient_accumulation_boundary
         self._step_applied = False
         self._in_engine_backward = False
+        self._backward_ended = False  # set by _end_backward, the one place a backward ends
         self._loss_scaled_by_client = False  # engine.scale(loss) was called for the next backward
         self.timers = StepTimers(enabled=config.wall_clock_breakdown)
         self.tput_timer = ThroughputTimer(
             config.throughput_timer_enabled, config.throughput_timer_synchronized, config.train_batch_size,
             config.steps_per_print, report=lambda line: self.comm.rank == 0 and logger.info(line))
 
-    def _build_reducer(self) -> GradReducer:
-        config = self.config
-        reducer = GradReducer(
-            list(self.table.values()),
-            self.comm,
-            bucket_numel=config.zero.reduce_bucket_size,
-            reduce_dtype=config.precision.reduce_dtype,
-            grad_device=self.master_device,
-            prescale=config.prescale_gradients,
-            predivide_factor=config.gradient_predivide_factor,
-            overlap=config.zero.overlap_comm,
-        )
-        reducer.backward_divisor = float(config.gradient_accumulation_steps)
-        for unit in self.units:
-            if unit.leaf:
-                reducer.defer(unit.params)
-        return reducer
-
-    def _build_fetcher(self) -> Fetcher:
-        zero = self.config.zero
-        return Fetcher(
-            self.module, self.table, self.units, self.comm, self.device, self._end_backward,
-            on_leaf_backward=self.reducer.reduce_deferred,
-            policy=PrefetchPolicy(
-                bucket_numel=zero.prefetch_bucket_size,
-                max_live_numel=zero.max_live_parameters,
-                reuse_distance_numel=zero.max_reuse_distance,
-                log_departures=zero.log_trace_cache_warnings,
-            ),
-        )
-
-    def _build_optimizer(self, optimizer, model_parameters) -> ShardedOptimizer | None:
-        """The client optimizer over fp32 master shards; with the overlapped host step, the
-        fetcher and the gradient sink wait for the update in flight where they must."""
-        client_optimizer = self._resolve_optimizer(optimizer, model_parameters)
-        if client_optimizer is None:
-            return None
-        zero = self.config.zero
-        overlap = self._overlaps_host_step(client_optimizer)
-        sharded = ShardedOptimizer(
-            client_optimizer, self.table, self.comm, self.master_device, self.config.gradient_clipping,
-            check_overflow=self.config.precision.check_grad_overflow,
-            pin_memory=zero.offload_optimizer.device == "cpu" and zero.offload_optimizer.pin_memory,
-            sub_group_numel=zero.sub_group_size,
-            unit_order=self.fetcher.params_in_forward_order if overlap else None,
-        )
-        if overlap:
-            self.fetcher.shard_fence = sharded.background.wait_for
-            self.reducer.sink.fence = sharded.background.wait
-        return sharded
-
-    # ------------------------------------------------------------------ setup
-    def _prepare_module(self, model: nn.Module) -> nn.Module:
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"zero3.initialize(model=...) expects an nn.Module, got {type(model).__name__}")
-        self.init_shards = self._claim_init_shards(model)
-        model.to(self.device)
-        if self.compute_dtype != torch.float32:
-            # Parameters only, as DeepSpeed: buffers keep their dtype.
-            for p in model.parameters():
-                if p.is_floating_point() and p not in self.init_shards:
-                    p.data = p.data.to(self.compute_dtype)
-        built_full = [p for p in model.parameters() if p not in self.init_shards]
-        self._broadcast_from_rank0(built_full + list(model.buffers()))  # Init's shards are rank 0's already
-        return model
-
-    def _claim_init_shards(self, model: nn.Module) -> dict[nn.Parameter, torch.Tensor]:
-        """Take over the shards of parameters partitioned by zero3.Init, cast to the
-        compute dtype; each such parameter is left empty, on the compute device."""
-        shards: dict[nn.Parameter, torch.Tensor] = {}
-        for name, p in model.named_parameters():
-            record = claim_init_shard(p)
-            if record is None:
-                continue
-            if (record.world_size, record.rank) != (self.comm.world_size, self.comm.rank):
-                raise EngineError(
-                    f"parameter {name} was partitioned by zero3.Init as rank {record.rank} of "
-                    f"{record.world_size}, but this engine is rank {self.comm.rank} of "
-                    f"{self.comm.world_size}; build the model and the engine in the same process group")
-            dtype = self.compute_dtype if p.is_floating_point() else p.dtype
-            if p.device != self.device or p.dtype != dtype:
-                p.data = torch.empty(p.shape, dtype=dtype, device=self.device)
-                p.untyped_storage().resize_(0)
-            shards[p] = record.shard.to(dtype)
-        return shards
-
-    def _broadcast_from_rank0(self, tensors: list[torch.Tensor]) -> None:
-        """Rank 0's values everywhere: one broadcast per dtype over a flat copy."""
-        if not self.comm.active:
-            return
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for t in tensors:
-            if t.numel():
-                by_dtype.setdefault(t.dtype, []).append(t)
-        with torch.no_grad():
-            for group in by_dtype.values():
-                flat = torch.cat([t.detach().reshape(-1) for t in group])
-                self.comm.broadcast(flat, src=0)
-                offset = 0
-                for t in group:
-                    t.copy_(flat[offset:offset + t.numel()].view_as(t))
-                    offset += t.numel()
-
-    def _shard_parameters(self) -> dict[nn.Parameter, ShardedParam]:
-        """ShardedParams for every parameter; non-persistent ones released.
-
-        At world size 1 with the shards on the compute device there is nothing to shard:
-        every parameter is aliased to its shard (partition.py) and stays resident, so no
-        gather, copy or hook work is ever done for it."""
-        zero = self.config.zero
-        persistent = choose_persistent(
-            self.named_params, zero.param_persistence_threshold, zero.model_persistence_threshold
-        )
-        offload = zero.offload_param.device == "cpu"
-        shard_device = torch.device("cpu") if offload else self.device
-        pin = offload and zero.offload_param.pin_memory
-        alias = self.comm.world_size == 1 and not offload
-        table: dict[nn.Parameter, ShardedParam] = {}
-        for name, p in self.named_params:
-            init_shard = self.init_shards.pop(p, None)
-            if init_shard is None:
-                _give_exclusive_storage(p)
-            sp = ShardedParam(
-                p, name, self.comm.rank, self.comm.world_size, alias or id(p) in persistent, shard_device, pin,
-                shard=init_shard,
-            )
-            if sp.state is ParamState.FULL and not sp.persistent:
-                sp.release()
-            elif sp.state is ParamState.SHARDED and sp.persistent:
-                self._gather_resident(sp)  # partitioned by zero3.Init, resident by the config
-            if alias:
-                sp.alias_shard()
-            mark_managed(p)
-            table[p] = sp
-        return table
-
-    def _gather_resident(self, sp: ShardedParam) -> None:
-        """SHARDED -> FULL for good: a persistent parameter that arrived partitioned."""
-        rows = torch.empty(sp.world_size, sp.shard_numel, dtype=sp.dtype, device=self.device)
-        self.comm.all_gather_into(rows.view(-1), sp.shard.to(self.device))
-        sp.begin_gather()
-        sp.finish_gather(rows)
-
-    def _resolve_optimizer(self, optimizer, model_parameters) -> torch.optim.Optimizer | None:
-        spec = self.config.optimizer
-        if optimizer is not None and spec is not None:
-            raise EngineError(
-                "both a client optimizer and the config's 'optimizer' section were given; "
-                "remove one of them (DeepSpeed refuses this too)"
-            )
-        params = list(model_parameters) if model_parameters is not None else None
-        if params is None:
-            params = [p for p in self.module.parameters() if p.requires_grad]
-        if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
-            optimizer = optimizer(params)
-        if optimizer is None and spec is not None:
-            optimizer = build_optimizer(spec, params)
-        if optimizer is not None:
-            self._check_optimizer_is_elementwise(optimizer)
-        return optimizer
-
-    def _check_optimizer_is_elementwise(self, optimizer: torch.optim.Optimizer) -> None:
-        """A client optimizer must update each element from its own state only: zero3
-        hands it flat shards, so an optimizer that uses a whole tensor's shape or norm
-        (Adafactor, LAMB, Shampoo, Muon) would be silently wrong."""
-        if isinstance(optimizer, ELEMENTWISE_OPTIMIZERS) or self.config.zero_allow_untested_optimizer:
-            return
-        raise EngineError(
-            f"optimizer {type(optimizer).__name__} is not one zero3 knows to be elementwise "
-            f"({', '.join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)}); it will see each "
-            "rank's flat 1-D shard, not the whole tensor. If it updates every element from "
-            "that element's own state only, set \"zero_allow_untested_optimizer\": true"
-        )
-
-    def _overlaps_host_step(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Whether the CPU optimizer update runs behind the next forward (host_step.py):
-        it needs the masters and the parameter shards on the CPU, and a torch optimizer
-        (stepped by shadow optimizers of its class, optim.py). "auto" turns it on when the
-        compute device is a GPU (on a CPU it would compete with the forward for the cores)."""
-        zero = self.config.zero
-        setting = zero.offload_optimizer.overlap_step
-        if setting is False:
-            return False
-        problems = []
-        if not (zero.offload_optimizer.enabled and zero.offload_param.enabled):
-            problems.append("it needs offload_optimizer and offload_param both on the CPU (got "
-                            f"offload_optimizer.device={zero.offload_optimizer.device!r}, "
-                            f"offload_param.device={zero.offload_param.device!r})")
-        if type(optimizer) not in ELEMENTWISE_OPTIMIZERS:
-            problems.append(f"it needs one of torch's optimizers ({', '.join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)}), "
-                            f"got {type(optimizer).__module__}.{type(optimizer).__name__}")
-        if setting == "auto":
-            return not problems and self.device.type == "cuda"
-        if problems:
-            raise EngineError("zero_optimization.offload_optimizer.overlap_step is true, but "
-                              + "; ".join(problems) + '; set it to "auto" or false')
-        return True
-
-    def _resolve_scheduler(self, lr_scheduler):
-        spec = self.config.scheduler
-        if lr_scheduler is not None and spec is not None:
-            raise EngineError(
-                "both a client lr_scheduler and the config's 'scheduler' section were given; "
-                "remove one of them"
-            )
-        if lr_scheduler is None and spec is not None:
-            if self.optimizer is None:
-                raise EngineError("the config's 'scheduler' section needs an optimizer")
-            return build_scheduler(spec, self.optimizer.optimizer)
-        if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
-            if self.optimizer is None:
-                raise EngineError("an lr_scheduler factory needs an optimizer")
-            return lr_scheduler(self.optimizer.optimizer)
-        return lr_scheduler
+    # DeepSpeed's counter attributes, kept in `self.counters` (counters.py)
+    global_steps = property(lambda self: self.counters.global_steps,
+                            lambda self, value: setattr(self.counters, "global_steps", value))
+    micro_steps = property(lambda self: self.counters.micro_steps,
+                           lambda self, value: setattr(self.counters, "micro_steps", value))
+    global_samples = property(lambda self: self.counters.global_samples,
+                              lambda self, value: setattr(self.counters, "global_samples", value))
+    skipped_steps = property(lambda self: self.counters.skipped_steps,
+                             lambda self, value: setattr(self.counters, "skipped_steps", value))
 
     # ------------------------------------------------------------ training API
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -362,8 +171,10 @@ class Engine(EngineSurface, nn.Module):
         self.reducer.backward_divisor = 1.0  # the loss itself carries the accumulation divisor
         try:
             with self._phase("backward"):
+                self._backward_ended = False
                 scaled.backward(retain_graph=retain_graph)
-                self.reducer.flush()
+                if not self._backward_ended:  # the loss reached no hooked output of the model
+                    self._end_backward()
         finally:
             self._in_engine_backward = False
             self.reducer.backward_divisor = float(steps)
@@ -412,6 +223,7 @@ class Engine(EngineSurface, nn.Module):
     def _end_backward(self) -> None:
         """End of every backward (engine.backward or a direct loss.backward()): every
         gradient of it is reduced into its shard."""
+        self._backward_ended = True
         self.reducer.flush()
         if self.config.zero.enable_sanity_checks:
             self._check_after_backward()
@@ -536,15 +348,8 @@ class Engine(EngineSurface, nn.Module):
         """Resident parameters get their new values from every rank's updated shard."""
         resident = [sp for sp in self.optimizer.params if sp.persistent and sp.numel and not sp.aliased]
         self.optimizer.background.wait_for(resident)  # their sub-group runs first
-        by_dtype: dict[torch.dtype, list[ShardedParam]] = {}
-        for sp in resident:
-            by_dtype.setdefault(sp.dtype, []).append(sp)
-        for dtype, group in by_dtype.items():
-            total = sum(sp.shard_numel for sp in group)
-            send = torch.cat([sp.shard.to(self.device) for sp in group])
-            recv = torch.empty(self.comm.world_size * total, dtype=dtype, device=self.device)
-            self.comm.all_gather_into(recv, send)
-            rows = recv.view(self.comm.world_size, total)
+        for _, group in group_by_dtype(resident):
+            rows = gather_rows(self.comm, torch.cat([sp.shard.to(self.device) for sp in group]), self.device)
             offset = 0
             for sp in group:
                 sp.refresh(rows[:, offset:offset + sp.shard_numel])
@@ -611,8 +416,12 @@ class Engine(EngineSurface, nn.Module):
             raise ValueError(f"save_checkpoint(save_dir={save_dir!r}): save_dir must name a directory "
                              "(e.g. \"checkpoints\"); nothing was written")
         self._check_alive()
+        check_in("save_checkpoint", self.comm.rank, self.comm.world_size, self.config.checkpoint_arrival_timeout)
         self._settle()
         self.reducer.flush()
+        # Zero gradient shards of leaf parameters no rank used are not gradients: dropped
+        # before they are saved, so a load goes on as this engine does (grad_usage.py).
+        self.reducer.usage.drop_unused_everywhere(self.comm.all_reduce, self.device)
         return checkpoint_io.save(self, save_dir, tag, client_state or {}, save_latest,
                                   exclude_frozen_parameters)
 
@@ -620,11 +429,14 @@ class Engine(EngineSurface, nn.Module):
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False):
         self._check_alive()
+        check_in("load_checkpoint", self.comm.rank, self.comm.world_size, self.config.checkpoint_arrival_timeout)
         self._settle()
-        return checkpoint_io.load(
+        loaded = checkpoint_io.load(
             self, load_dir, tag, load_module_strict, load_optimizer_states,
             load_lr_scheduler_states, load_module_only,
         )
+        self.reducer.usage.note_restored()  # gradients saved inside a window were used somewhere
+        return loaded
 
     def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.safetensors",
                          exclude_frozen_parameters: bool = False) -> bool:
@@ -649,25 +461,11 @@ class Engine(EngineSurface, nn.Module):
 
     def _settle(self) -> None:
         """Wait for an optimizer update still running behind the forward, if any."""
-        if self.optimizer is not None:
-            self.optimizer.wait()
+        settle(self.optimizer)
 
     def _check_alive(self) -> None:
         if self._destroyed:
             raise EngineError("this engine was destroyed; build a new one with zero3.initialize")
-
-
-def _give_exclusive_storage(p: nn.Parameter) -> None:
-    """Make `p` the sole, contiguous owner of a resizable storage, so releasing it frees it
-    (Transformers' from_pretrained leaves weights in file mappings, which cannot be resized)."""
-    exclusive = (
-        p.untyped_storage().resizable()
-        and p.is_contiguous()
-        and p.storage_offset() == 0
-        and p.untyped_storage().nbytes() == p.numel() * p.element_size()
-    )
-    if not exclusive:
-        p.data = p.data.clone(memory_format=torch.contiguous_format)
 
 
 def _hook_output_tensors(output: Any, on_first: Callable[[], None]) -> None:

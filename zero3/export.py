@@ -21,6 +21,7 @@ parameter's whole, unpadded value on every rank.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -31,6 +32,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch import nn
+
+from .optim import settle
+from .wire import gather_rows
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -110,6 +114,29 @@ def write_safetensors(path: Path, specs: Sequence[TensorSpec], tensors: Iterable
     """
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
+    with removed_on_failure(tmp):
+        digest, size = _write_safetensors_to(tmp, path, specs, tensors, metadata, after_first)
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+    return {"size": size, "sha256": digest.hexdigest()}
+
+
+@contextlib.contextmanager
+def removed_on_failure(tmp: Path) -> Iterator[None]:
+    """`tmp` (a temporary file being written) is removed if the block fails; an OSError
+    (a full disk, a quota, a read-only folder) is raised again naming the file."""
+    try:
+        yield
+    except BaseException as exc:
+        tmp.unlink(missing_ok=True)
+        if isinstance(exc, OSError) and exc.filename is None:
+            raise type(exc)(exc.errno, f"{exc.strerror or exc} (while writing the file)", str(tmp)) from exc
+        raise
+
+
+def _write_safetensors_to(tmp: Path, path: Path, specs: Sequence[TensorSpec], tensors: Iterable[torch.Tensor],
+                          metadata: dict[str, str] | None, after_first: Callable[[], None] | None):
+    """The body of write_safetensors: every byte into `tmp`, fsynced; (sha256, size)."""
     digest = hashlib.sha256()
     size = 0
     with open(tmp, "wb") as f:
@@ -135,9 +162,7 @@ def write_safetensors(path: Path, specs: Sequence[TensorSpec], tensors: Iterable
             raise ExportError(f"{path}: more tensors given than the {len(specs)} announced")
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-    return {"size": size, "sha256": digest.hexdigest()}
+    return digest, size
 
 
 def _check_matches(spec: TensorSpec, tensor: torch.Tensor) -> None:
@@ -223,18 +248,14 @@ def gather_full(engine: "Engine", sp: "ShardedParam", local: torch.Tensor) -> to
     comm = engine.comm
     if local.numel() != sp.shard_numel:
         raise ExportError(f"{sp.name}: a shard-shaped tensor has {local.numel()} elements, expected {sp.shard_numel}")
-    rows = torch.empty(comm.world_size * sp.shard_numel, dtype=local.dtype, device=engine.device)
-    comm.all_gather_into(rows, local.detach().to(engine.device).reshape(-1))
-    return rows[: sp.numel].view(sp.shape)
+    rows = gather_rows(comm, local, engine.device)
+    return rows.view(-1)[: sp.numel].view(sp.shape)
 
 
 def master_map(engine: "Engine") -> dict[int, torch.Tensor]:
     """id(ShardedParam) -> its fp32 master, once any update still running behind the
     forward (host_step.py) is complete: shards, masters and optimizer state are read after it."""
-    engine._settle()
-    if engine.optimizer is None:
-        return {}
-    return {id(sp): m for sp, m in zip(engine.optimizer.params, engine.optimizer.masters)}
+    return engine.optimizer.settled_masters() if engine.optimizer is not None else {}
 
 
 def full_fp32_param(engine: "Engine", param: nn.Parameter) -> torch.Tensor:
@@ -276,8 +297,8 @@ def export_specs(engine: "Engine", dtype: torch.dtype | None, exclude_frozen: bo
     names_of: dict[int, list[str]] = {}
     order: list[tuple[str, str, Any]] = []
     for name, kind, tensor in state_dict_entries(engine.module):
-        if kind == "buffer":
-            order.append((name, kind, tensor))
+        if kind == "buffer" or tensor not in engine.table:  # a parameter attached after initialize: whole
+            order.append((name, "buffer", tensor))
             continue
         sp = engine.table[tensor]
         if exclude_frozen and not sp.requires_grad:
@@ -305,7 +326,7 @@ def iter_consolidated(engine: "Engine", specs: list[tuple[TensorSpec, str, Any]]
     A collective generator: every rank must run it to the end. Each parameter is gathered
     once and its value reused for its aliases; nothing is kept after it is yielded.
     """
-    engine._settle()  # the shards are read below, masters or not
+    settle(engine.optimizer)  # the shards are read below, masters or not
     masters = master_map(engine) if use_master else {}
     rank0 = engine.comm.rank == 0
     last_sp, last_value = None, None
@@ -391,7 +412,7 @@ def held_bytes(engine: "Engine") -> dict[str, int]:
     def nbytes(t: torch.Tensor | None) -> int:
         return 0 if t is None else t.numel() * t.element_size()
 
-    engine._settle()
+    settle(engine.optimizer)
     shards = sum(nbytes(sp.shard) for sp in engine.table.values())
     resident = sum(  # an aliased parameter's storage is its shard, counted above
         sp.param.untyped_storage().nbytes() for sp in engine.table.values() if sp.persistent and not sp.aliased

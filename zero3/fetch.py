@@ -1,10 +1,15 @@
-"""Gather-on-use: fetch units, module hooks, access discovery, release.
+"""Gather-on-use: fetch units, module hooks, holds and release.
 
 A *fetch unit* is a module that owns a set of parameters: its own, or with `leaf`
 modules (declared by the user, or chosen by the granularity threshold) all of its
-descendants' too. Gathering a unit is one coalesced all-gather per dtype, with a small
-header that every rank checks (`divergence.py`): ranks whose control flow differs raise
-`DivergenceError` naming the module instead of hanging or mixing up values.
+descendants' too. Gathering a unit is one coalesced all-gather per dtype through the
+wire (`wire.py`), whose header every rank checks (`divergence.py`).
+
+The Fetcher owns the holds and the hooks; three collaborators own the rest:
+- `GatherWire` (wire.py): the all-gathers themselves, synchronous and prefetched;
+- `AccessDiscovery` (discovery.py): the tracked parameter dicts that report reads, the
+  structure check, the saved-tensor safety net;
+- `LookAhead` (lookahead.py): prefetch and reuse holds, from the schedule (schedule.py).
 
 Holds: a parameter stays FULL while anything holds it; the last drop releases it (unless
 it is persistent). Holders are
@@ -17,26 +22,19 @@ it is persistent). Holders are
 - the *loose* holds: parameters needed in backward outside any unit (and the safety net's
   late gathers), dropped when the backward pass (graph task) that took them ends,
 - *escaped* parameters: a parameter returned in the root's output, kept until the end of
-  the next backward (or the next forward), since the caller may compute with it.
+  the next backward (or the next forward), since the caller may compute with it,
+- the look-ahead's spare holds, handed over to the first holder that acquires.
 A parameter returned from an inner unit's forward is handed to the calling unit, and
 registered as that unit's external, so its backward gathers it too.
 
-Access discovery (the seed bug's fix): every module of the model has its `_parameters`
-dict replaced by `TrackedParameters`, whose `__getitem__` is what `module.weight` goes
-through. While the model runs (root forward, or a backward pass), every read registers
-the parameter on the running unit, whatever its state, and gathers it if it is SHARDED.
-The registration is remembered: the unit's pre-backward and later forwards gather its
-externals with it. Nothing here ever asserts on an order: the order of units is only a
-hint.
+Discovery: while the model runs (root forward, or a backward pass), every read of a
+parameter registers it on the running unit, whatever its state, and gathers it if it is
+SHARDED. The registration is remembered: the unit's pre-backward and later forwards
+gather its externals with it. The order of units is only a hint, never asserted.
 
-Structure: `TrackedParameters.__setitem__` and `TrackedAssignments` (each module's
-`_modules`) note any parameter or module assigned after initialize; the next root forward
-then checks that every parameter of the model is managed, and raises
-`UnmanagedParameterError` naming the module otherwise. No cost until something changes.
-
-Safety net: a saved-tensor hook, pushed for the root forward, remembers which saved
-tensors are views of managed parameters; if backward unpacks one that is not FULL, it is
-gathered again ("late gather", counted in `late_gathers`).
+Structure: assignments after initialize are noticed (discovery.py); the next root forward
+hands the model to `on_structure_change` (the engine's late_params.py, which keeps
+parameters it does not manage whole and names them once) and watches the new modules too.
 
 Leaf units and gradients: inside a leaf, which parameters get gradients (and in which
 order) may differ between ranks. When `on_leaf_backward` is given, it is called with the
@@ -56,61 +54,13 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from .comm import Communicator, Pending
-from .divergence import HEADER_BYTES, HEADER_WORDS, GatherGuard, Names, Phase, Site
+from .comm import Communicator
+from .discovery import AccessDiscovery
+from .divergence import GatherGuard, Names, Phase, Site
+from .lookahead import LookAhead
 from .partition import ParamState, ShardedParam
 from .schedule import PrefetchPolicy, Schedule
-
-LOOKAHEAD_ENTRIES = 256  # how far prefetch and reuse look into the plan (unit entries)
-
-
-class UnmanagedParameterError(RuntimeError):
-    """The model holds parameters that zero3.initialize did not see."""
-
-
-class TrackedParameters(dict):
-    """A module's `_parameters`: reports each read of a parameter and each assignment."""
-
-    def __init__(self, original: dict, on_access: Callable[[nn.Parameter], None],
-                 on_change: Callable[[], None]) -> None:
-        super().__init__(original)
-        self._on_access = on_access
-        self._on_change = on_change
-
-    def __getitem__(self, name: str) -> Any:
-        value = super().__getitem__(name)
-        if value is not None:
-            self._on_access(value)
-        return value
-
-    def __setitem__(self, name: str, value: Any) -> None:
-        super().__setitem__(name, value)
-        self._on_change()
-
-    def __reduce_ex__(self, protocol: Any):
-        return dict, (dict(self.items()),)  # copies and pickles are plain dicts
-
-    def untracked(self) -> dict:
-        return dict(self.items())
-
-
-class TrackedAssignments(dict):
-    """A module's `_modules` (or, when nothing is ever gathered, its `_parameters`):
-    reports an entry assigned after initialize; reads are plain dict reads."""
-
-    def __init__(self, original: dict, on_change: Callable[[], None]) -> None:
-        super().__init__(original)
-        self._on_change = on_change
-
-    def __setitem__(self, name: str, value: Any) -> None:
-        super().__setitem__(name, value)
-        self._on_change()
-
-    def __reduce_ex__(self, protocol: Any):
-        return dict, (dict(self.items()),)
-
-    def untracked(self) -> dict:
-        return dict(self.items())
+from .wire import GatherWire, group_by_dtype
 
 
 @dataclasses.dataclass(eq=False)
@@ -227,7 +177,7 @@ class _PostBackward(torch.autograd.Function):
 
 
 class Fetcher:
-    """Owns the units, the hooks on them and every gather and release of parameters."""
+    """Owns the units, the hooks on them, and every hold on (and release of) parameters."""
 
     def __init__(
         self,
@@ -239,49 +189,35 @@ class Fetcher:
         on_backward_end: Callable[[], None],
         on_leaf_backward: Callable[[list[ShardedParam]], None] | None = None,
         policy: PrefetchPolicy = PrefetchPolicy(),
+        shard_fence: Callable[[list[ShardedParam]], None] | None = None,
+        on_structure_change: Callable[[nn.Module], object] | None = None,
     ) -> None:
+        """`shard_fence(group)`: called before a group's shards are read for a gather (an
+        optimizer update running behind the forward publishes them one sub-group at a time).
+        `on_structure_change(root)`: called at the next root forward after a module or
+        parameter was assigned (late_params.py keeps unmanaged ones whole)."""
         self.root = root
         self.table = table
         self.units = units
         self.comm = comm
-        self.compute_device = compute_device
         self.on_backward_end = on_backward_end
         self.on_leaf_backward = on_leaf_backward
+        self.on_structure_change = on_structure_change
         self.stack: list[Call] = []
         self.loose: list[tuple[int, ShardedParam]] = []  # (graph task, parameter)
         self.escaped: list[ShardedParam] = []
         self.forward_depth = 0
-        self.late_gathers = 0
         self.discoveries = 0
         self.forward_order: list[str] = []
-        self._param_index = {id(sp): i for i, sp in enumerate(table.values())}
-        self._storage_owner: dict[int, ShardedParam] = {}
         self._saved_hooks: torch.autograd.graph.saved_tensors_hooks | None = None
         self._open_tasks: set[int] = set()
         self._backward_calls: dict[int, Call] = {}  # id(call) -> call whose backward runs
         self._recomputed: dict[int, FetchUnit] = {}  # units holding recompute holds
         self._handles: list[Any] = []
-        self._wrapped: dict[int, nn.Module] = {}
-        self._structure_changed = False
-        self.policy = policy
         self.schedule = Schedule(log_departures=policy.log_departures)
         # False while every parameter is held (gathered_for_generation): forwards are then not
         # recorded in the divergence trace or the schedule, since ranks may run different numbers.
         self.tracking = True
-        self.live_numel = 0  # elements of non-persistent parameters FULL or GATHERING
-        # one hold each, taken by a prefetch (True) or kept for reuse (False)
-        self._spare: dict[int, tuple[ShardedParam, bool]] = {}
-        self._inflight: dict[int, Pending] = {}  # id(sp) -> the prefetch gathering it
-        self._ahead_numel = 0  # elements prefetched and not yet used
-        self.prefetched_units = 0
-        self.reused_units = 0
-        self._side_stream = torch.cuda.Stream(compute_device) if compute_device.type == "cuda" else None
-        self._shards_ready: torch.cuda.Event | None = None
-        # Called with a group before its shards are read for a gather: an optimizer update
-        # running behind the forward (host_step.py) publishes shards one sub-group at a time.
-        self.shard_fence: Callable[[list[ShardedParam]], None] | None = None
-        self._shards_on_host = self._side_stream is not None and any(
-            sp.shard.device.type == "cpu" for sp in table.values())
         self._root_unit = next(u for u in units if u.module is root)
         # World size 1 with every parameter resident (aliased to its shard): nothing is
         # ever gathered, so only the root's hooks run (structure checks, backward end);
@@ -289,15 +225,36 @@ class Fetcher:
         self.all_resident = comm.world_size == 1 and all(sp.persistent for sp in table.values())
         names = Names(root, [u.name for u in units], [sp.name for sp in table.values()])
         self.guard = GatherGuard(names, comm.gather_objects, comm.rank, comm.world_size)
+        param_index = {id(sp): i for i, sp in enumerate(table.values())}
+        self.wire = GatherWire(comm, compute_device, self.guard, param_index,
+                               any(sp.shard.device.type == "cpu" for sp in table.values()), shard_fence)
+        self.lookahead = LookAhead(units, self.schedule, policy, self.wire, comm, self.drop)
+        self.discovery = AccessDiscovery(root, table, not self.all_resident, self.on_access, self._late_use,
+                                         on_structure_change)
         self.guard.seed(self._static_sites())
         self._install()
 
+    # ---------------------------------------------------------------- counters
+    @property
+    def live_numel(self) -> int:
+        """Elements of non-persistent parameters FULL or GATHERING."""
+        return self.wire.live_numel
+
+    @property
+    def late_gathers(self) -> int:
+        return self.discovery.late_gathers
+
+    @property
+    def prefetched_units(self) -> int:
+        return self.lookahead.prefetched_units
+
+    @property
+    def reused_units(self) -> int:
+        return self.lookahead.reused_units
+
     # ------------------------------------------------------------------ setup
     def _install(self) -> None:
-        for sp in self.table.values():
-            self._storage_owner[sp.param.untyped_storage()._cdata] = sp
-        for module in self.root.modules():
-            self._wrap(module)
+        self.discovery.wrap_all()
         for unit in [self._root_unit] if self.all_resident else self.units:
             self._handles.append(
                 unit.module.register_forward_pre_hook(self._pre_forward_hook(unit), with_kwargs=True)
@@ -306,42 +263,24 @@ class Fetcher:
                 unit.module.register_forward_hook(self._post_forward_hook(unit), always_call=True)
             )
 
-    def _wrap(self, module: nn.Module) -> None:
-        if id(module) in self._wrapped:
-            return
-        if self.all_resident:  # no access needs noticing: parameter reads stay plain dict reads
-            module._parameters = TrackedAssignments(module._parameters, self._note_change)
-        else:
-            module._parameters = TrackedParameters(module._parameters, self.on_access, self._note_change)
-        module._modules = TrackedAssignments(module._modules, self._note_change)
-        self._wrapped[id(module)] = module
-
     def remove(self) -> None:
         """Undo every hook and dict replacement (the model becomes plain again)."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        for module in self._wrapped.values():
-            if isinstance(module._parameters, (TrackedParameters, TrackedAssignments)):
-                module._parameters = module._parameters.untracked()
-            if isinstance(module._modules, TrackedAssignments):
-                module._modules = module._modules.untracked()
-        self._wrapped.clear()
+        self.discovery.remove()
 
-    # ------------------------------------------------------- gather / release
-    def gather(self, params: Iterable[ShardedParam], phase: Phase = Phase.OTHER,
-               unit: FetchUnit | None = None) -> None:
-        """Make every given parameter FULL: one coalesced all-gather per dtype.
+    def _static_sites(self) -> list[Site]:
+        """The gathers of a first step if units run in the order they were built: every
+        unit's forward, then every unit's backward in reverse (the root first both times)."""
+        def sites(unit: FetchUnit, phase: Phase) -> list[Site]:
+            return [self.wire.site(group, dtype, phase, unit.index)
+                    for dtype, group in group_by_dtype(unit.fetch_list())]
 
-        Parameters a prefetch is gathering are completed, not gathered again."""
-        params = list(params)
-        if self._inflight:
-            for sp in params:
-                pending = self._inflight.get(id(sp))
-                if pending is not None:
-                    self.comm.complete(pending)
-        for dtype, group in self._dtype_groups(sp for sp in params if sp.state is ParamState.SHARDED):
-            self._gather_group(group, dtype, phase, unit)
+        root, others = self._root_unit, [u for u in self.units if u is not self._root_unit]
+        forward = [s for u in [root, *others] for s in sites(u, Phase.FORWARD)]
+        backward = [s for u in [root, *reversed(others)] for s in sites(u, Phase.BACKWARD)]
+        return forward + backward
 
     def params_in_forward_order(self) -> list[list[ShardedParam]]:
         """Each unit's parameters, the units in the order the latest training forward first
@@ -355,131 +294,24 @@ class Fetcher:
         order += [unit for unit in self.units if unit.index not in seen]
         return [unit.fetch_list() for unit in order]
 
-    @staticmethod
-    def _dtype_groups(params: Iterable[ShardedParam]) -> list[tuple[torch.dtype, list[ShardedParam]]]:
-        by_dtype: dict[torch.dtype, list[ShardedParam]] = {}
-        for sp in params:
-            by_dtype.setdefault(sp.dtype, []).append(sp)
-        return list(by_dtype.items())
+    # ------------------------------------------------------- gather / release
+    def gather(self, params: Iterable[ShardedParam], phase: Phase = Phase.OTHER,
+               unit: FetchUnit | None = None) -> None:
+        """Make every given parameter FULL: one coalesced all-gather per dtype.
 
-    def _site(self, group: list[ShardedParam], dtype: torch.dtype, phase: Phase,
-              unit: FetchUnit | None) -> Site:
-        return Site(phase, unit.index if unit is not None else -1, self._param_index.get(id(group[0]), -1),
-                    len(group), sum(sp.shard_numel for sp in group) * dtype.itemsize)
-
-    def _gather_group(self, group: list[ShardedParam], dtype: torch.dtype, phase: Phase,
-                      unit: FetchUnit | None) -> None:
-        """One all-gather of these shards, guarded (divergence.py): the values land in each
-        parameter's own storage; the send / receive buffers are temporaries of this call."""
-        site = self._site(group, dtype, phase, unit)
-        if not self.comm.active:  # world size 1: the concatenated shards are the values
-            values = self._concat(group, dtype, 0).view(dtype).view(1, -1)
-        else:
-            values = self._guarded_all_gather(site, group, dtype)
-        self.live_numel += sum(sp.numel for sp in group)
-        offset = 0
-        for sp in group:
-            sp.begin_gather()
-            sp.finish_gather(values[:, offset:offset + sp.shard_numel])
-            offset += sp.shard_numel
-
-    def _guarded_all_gather(self, site: Site, group: list[ShardedParam], dtype: torch.dtype) -> torch.Tensor:
-        """[world_size, elements] of every rank's shards, after the headers agreed.
-
-        Every rank sends a payload of the predicted size (the same on every rank): its
-        shards if its site is the predicted one, zeros otherwise; a shared misprediction
-        costs a second all-gather with the real payload.
-        """
-        world = self.comm.world_size
-        own = self.guard.header(site)
-        predicted = self.guard.predict()
-        hit = predicted == site
-        if predicted is None:
-            self._all_gather_headers(own)
-        else:
-            send = self._concat(group if hit else None, dtype, predicted.nbytes, own)
-            rows = self._all_gather(send, world).view(world, -1)
-            self.guard.check(rows[:, :HEADER_BYTES].contiguous().view(torch.int64), own, now=not hit)
-        if not hit:
-            self.guard.mispredicted += 1
-            rows = self._all_gather(self._concat(group, dtype, site.nbytes), world).view(world, -1)
-            self.guard.observe(site)
-            return rows.view(dtype)
-        self.guard.observe(site)
-        return rows[:, HEADER_BYTES:].view(dtype)
-
-    def _concat(self, group: list[ShardedParam] | None, dtype: torch.dtype, nbytes: int,
-                header: list[int] | None = None) -> torch.Tensor:
-        """A uint8 send buffer: [header] + the group's shards (or `nbytes` zeros if None)."""
-        head = HEADER_BYTES if header is not None else 0
-        if group is not None:
-            nbytes = sum(sp.shard_numel for sp in group) * dtype.itemsize
-            if self.shard_fence is not None:
-                self.shard_fence(group)
-        send = torch.empty(head + nbytes, dtype=torch.uint8, device=self.compute_device)
-        if header is not None:
-            send[:head].view(torch.int64).copy_(torch.tensor(header, dtype=torch.int64))
-        if group is None:
-            send[head:].zero_()
-        elif group[0].shard.device.type == "cpu" and self.compute_device.type != "cpu":
-            payload = send[head:].view(dtype)  # host shards: each copied straight into place
-            offset = 0
-            for sp in group:
-                payload[offset:offset + sp.shard_numel].copy_(sp.shard, non_blocking=True)
-                offset += sp.shard_numel
-        else:
-            torch.cat([sp.shard.to(self.compute_device, non_blocking=True) for sp in group],
-                      out=send[head:].view(dtype))
-        return send
-
-    def _all_gather(self, send: torch.Tensor, world: int) -> torch.Tensor:
-        recv = torch.empty(world * send.numel(), dtype=send.dtype, device=send.device)
-        self.comm.all_gather_into(recv, send)
-        return recv
-
-    def _all_gather_headers(self, own: list[int]) -> None:
-        """A header-only all-gather (fixed size), checked at once."""
-        send = torch.tensor(own, dtype=torch.int64, device=self.compute_device)
-        rows = self._all_gather(send, self.comm.world_size).view(self.comm.world_size, HEADER_WORDS)
-        self.guard.check(rows, own, now=True)
-
-    def _check_in(self) -> None:
-        """Units entered since the last gather (resident parameters only) must match too."""
-        site = Site(Phase.CHECK, self._root_unit.index, -1, 0, 0)
-        own = self.guard.header(site)
-        predicted = self.guard.predict()
-        if predicted is None:
-            self._all_gather_headers(own)
-        else:
-            rows = self._all_gather(self._concat(None, torch.uint8, predicted.nbytes, own), self.comm.world_size)
-            rows = rows.view(self.comm.world_size, -1)
-            self.guard.check(rows[:, :HEADER_BYTES].contiguous().view(torch.int64), own,
-                             now=predicted != site)
-        self.guard.observe(site)
-
-    def _static_sites(self) -> list[Site]:
-        """The gathers of a first step if units run in the order they were built: every
-        unit's forward, then every unit's backward in reverse (the root first both times)."""
-        def sites(unit: FetchUnit, phase: Phase) -> list[Site]:
-            return [self._site(group, dtype, phase, unit) for dtype, group in self._dtype_groups(unit.fetch_list())]
-
-        root, others = self._root_unit, [u for u in self.units if u is not self._root_unit]
-        forward = [s for u in [root, *others] for s in sites(u, Phase.FORWARD)]
-        backward = [s for u in [root, *reversed(others)] for s in sites(u, Phase.BACKWARD)]
-        return forward + backward
+        Parameters a prefetch is gathering are completed, not gathered again."""
+        params = list(params)
+        self.lookahead.complete(params)
+        index = unit.index if unit is not None else -1
+        for dtype, group in group_by_dtype(sp for sp in params if sp.state is ParamState.SHARDED):
+            self.wire.gather(group, dtype, phase, index)
 
     def acquire(self, params: list[ShardedParam], phase: Phase = Phase.OTHER,
                 unit: FetchUnit | None = None) -> None:
         self.gather(params, phase, unit)
         for sp in params:
             sp.holds += 1
-        if self._spare:  # a prefetch or reuse hold is handed over to this holder
-            for sp in params:
-                spare = self._spare.pop(id(sp), None)
-                if spare is not None:
-                    sp.holds -= 1
-                    if spare[1]:
-                        self._ahead_numel -= sp.numel
+        self.lookahead.hand_over(params)
 
     def drop(self, params: list[ShardedParam]) -> None:
         for sp in params:
@@ -488,15 +320,17 @@ class Fetcher:
                 sp.holds = 0
                 if not sp.persistent and sp.state is ParamState.FULL:
                     sp.release()
-                    self.live_numel -= sp.numel
+                    self.wire.live_numel -= sp.numel
+
+    def drop_spares(self) -> None:
+        """Finish the prefetches and drop the prefetch and reuse holds (between steps)."""
+        self.lookahead.drop_spares()
 
     def release_all(self) -> None:
         """Drop every hold and release every non-persistent parameter (engine teardown)."""
         self.comm.drain()
-        self._spare.clear()
-        self._inflight.clear()
-        self._ahead_numel = 0
-        self.live_numel = 0
+        self.lookahead.forget()
+        self.wire.live_numel = 0
         for sp in self.table.values():
             sp.holds = 0
             if not sp.persistent and sp.state is ParamState.FULL:
@@ -515,7 +349,7 @@ class Fetcher:
 
         Holds taken by others (GatheredParameters) are left alone.
         """
-        self._drop_spare()
+        self.lookahead.drop_spares()
         for call in self.stack:
             self.drop(call.holds)
         self.stack.clear()
@@ -538,166 +372,12 @@ class Fetcher:
                 self.drop(holds)
             self._recomputed.pop(id(u), None)
 
-    # ------------------------------------------------------------- look-ahead
-    def _prefetch_ahead(self) -> None:
-        """Start gathering the next planned units (schedule.py): up to the policy's bucket
-        of elements ahead of use, within its bound on live elements, one asynchronous
-        all-gather per unit and dtype. Each prefetched parameter takes a spare hold, handed
-        over when its unit is entered (or dropped at the end of the step)."""
-        policy = self.policy
-        if not policy.prefetches or not self.schedule.on_plan:
-            return
-        if not self.comm.active and not self._shards_on_host:
-            return  # world size 1: only a host-to-device copy is worth starting early
-        ahead = self._ahead_numel
-        picked = 0
-        chosen: list[tuple[FetchUnit, list[ShardedParam]]] = []
-        seen: set[int] = set()
-        for _, index in self.schedule.upcoming(LOOKAHEAD_ENTRIES):
-            if ahead >= policy.bucket_numel:
-                break
-            unit = self.units[index]
-            fresh = [sp for sp in unit.fetch_list() if sp.state is ParamState.SHARDED and id(sp) not in seen]
-            if not fresh:
-                continue
-            numel = sum(sp.numel for sp in fresh)
-            if chosen and ahead + numel > policy.bucket_numel:
-                break
-            if self.live_numel + picked + numel > policy.max_live_numel:
-                break
-            seen.update(id(sp) for sp in fresh)
-            chosen.append((unit, fresh))
-            ahead += numel
-            picked += numel
-        for unit, fresh in chosen:
-            for dtype, group in self._dtype_groups(fresh):
-                self._issue_prefetch(unit, group, dtype)
-            self.prefetched_units += 1
-
-    def _issue_prefetch(self, unit: FetchUnit, group: list[ShardedParam], dtype: torch.dtype) -> None:
-        """One asynchronous, guarded all-gather of `group`; finished by `_finish_prefetch`.
-
-        A correctly predicted site sends its header with the payload (checked when the
-        gather completes); otherwise the headers are agreed first, synchronously, and the
-        payload follows alone. On CUDA the send buffer is built, and the collective issued,
-        on a side stream, so neither waits for the compute queued on the current stream.
-        """
-        header = self._prefetch_header(unit, group, dtype) if self.comm.active else None
-        numel = sum(sp.numel for sp in group)
-        for sp in group:
-            sp.begin_gather()
-            sp.holds += 1
-            self._spare[id(sp)] = (sp, True)
-        self.live_numel += numel
-        self._ahead_numel += numel
-        stream = self._side_stream
-        if stream is not None:
-            if self._shards_ready is not None:
-                stream.wait_event(self._shards_ready)
-            with torch.cuda.stream(stream):
-                send = self._concat(group, dtype, 0, header)
-                recv = self._receive_buffer(send)
-                pending = self.comm.all_gather_into_async(
-                    recv, send, lambda: self._finish_prefetch(group, dtype, send, recv, header))
-        else:
-            send = self._concat(group, dtype, 0, header)
-            recv = self._receive_buffer(send)
-            pending = self.comm.all_gather_into_async(
-                recv, send, lambda: self._finish_prefetch(group, dtype, send, recv, header))
-        for sp in group:
-            self._inflight[id(sp)] = pending
-
-    def _receive_buffer(self, send: torch.Tensor) -> torch.Tensor:
-        """The all-gather output for `send`; at world size 1 that is `send` itself."""
-        if not self.comm.active:
-            return send
-        return torch.empty(self.comm.world_size * send.numel(), dtype=torch.uint8, device=send.device)
-
-    def _prefetch_header(self, unit: FetchUnit, group: list[ShardedParam], dtype: torch.dtype) -> list[int] | None:
-        """The header to send with a prefetch, or None when it was agreed on beforehand."""
-        site = Site(Phase.PREFETCH, unit.index, self._param_index.get(id(group[0]), -1), len(group),
-                    sum(sp.shard_numel for sp in group) * dtype.itemsize)
-        own = self.guard.header(site)
-        predicted = self.guard.predict()
-        hit = predicted == site
-        if not hit:
-            self._agree_headers(own, predicted)
-            self.guard.mispredicted += 1
-        self.guard.observe(site)
-        return own if hit else None
-
-    def _agree_headers(self, own: list[int], predicted: Site | None) -> None:
-        """Exchange and check headers now (a site that was not predicted)."""
-        if predicted is None:
-            self._all_gather_headers(own)
-            return
-        rows = self._all_gather(self._concat(None, torch.uint8, predicted.nbytes, own), self.comm.world_size)
-        rows = rows.view(self.comm.world_size, -1)
-        self.guard.check(rows[:, :HEADER_BYTES].contiguous().view(torch.int64), own, now=True)
-
-    def _finish_prefetch(self, group: list[ShardedParam], dtype: torch.dtype, send: torch.Tensor,
-                         recv: torch.Tensor, header: list[int] | None) -> None:
-        """A prefetch completed: check its headers, write the values into the parameters.
-
-        Runs on the current stream, which `drain`/`complete` made wait for the gather; the
-        buffers were allocated on the side stream and are marked used here, so the
-        allocator does not hand them out again before this stream is done with them."""
-        if self._side_stream is not None:
-            current = torch.cuda.current_stream(recv.device)
-            send.record_stream(current)
-            recv.record_stream(current)
-        rows = recv.view(self.comm.world_size, -1)
-        if header is not None:
-            self.guard.check(rows[:, :HEADER_BYTES].contiguous().view(torch.int64), header, now=False)
-            rows = rows[:, HEADER_BYTES:]
-        values = rows.view(dtype)
-        offset = 0
-        for sp in group:
-            self._inflight.pop(id(sp), None)
-            sp.finish_gather(values[:, offset:offset + sp.shard_numel])
-            offset += sp.shard_numel
-
-    def _retain_for_reuse(self, unit: FetchUnit) -> None:
-        """Keep `unit`'s parameters gathered if the plan enters it again within the reuse
-        distance (elements gathered in between), as DeepSpeed's stage3_max_reuse_distance."""
-        policy = self.policy
-        if (not policy.reuses or not self.schedule.on_plan or self.live_numel > policy.max_live_numel
-                or not unit.fetch_list()):
-            return
-        distance = 0
-        for _, index in self.schedule.upcoming(LOOKAHEAD_ENTRIES):
-            if index == unit.index:
-                for sp in unit.fetch_list():
-                    if sp.state is ParamState.FULL and id(sp) not in self._spare:
-                        sp.holds += 1
-                        self._spare[id(sp)] = (sp, False)
-                self.reused_units += 1
-                return
-            distance += self.units[index].fetch_numel()
-            if distance > policy.reuse_distance_numel:
-                return
-
-    def drop_spares(self) -> None:
-        """Finish the prefetches and drop the prefetch and reuse holds (between steps)."""
-        self._drop_spare()
-
-    def _drop_spare(self) -> None:
-        """End of a step: finish the prefetches and drop every spare hold."""
-        if self._inflight:
-            self.comm.drain()
-        if self._spare:
-            spare, self._spare = self._spare, {}
-            self._ahead_numel = 0
-            self.drop([sp for sp, _ in spare.values()])
-
     # ------------------------------------------------------- access discovery
     def model_running(self) -> bool:
         return self.forward_depth > 0 or in_backward()
 
     def on_access(self, param: nn.Parameter) -> None:
         """A parameter was read through its module attribute."""
-        if self.all_resident:
-            return
         sp = self.table.get(param)
         if sp is None or not self.model_running():
             return
@@ -714,32 +394,32 @@ class Fetcher:
             self.acquire([sp], Phase.ACCESS, None)
             self.loose.append((current_task(), sp))
 
-    def _note_change(self) -> None:
-        self._structure_changed = True
+    def _late_use(self, sp: ShardedParam) -> None:
+        """Backward unpacked a saved view of `sp` while it was not FULL: gather it again."""
+        self.acquire([sp], Phase.SAFETY_NET, None)
+        self.loose.append((current_task(), sp))
 
-    def _check_structure(self) -> None:
-        """Every parameter in the model must be one zero3.initialize saw; raise otherwise."""
-        unmanaged: dict[str, list[str]] = {}
-        classes: dict[str, str] = {}
-        for name, module in self.root.named_modules():
-            for pname, p in dict.items(module._parameters):
-                if p is not None and p not in self.table:
-                    unmanaged.setdefault(name, []).append(f"{pname} {tuple(p.shape)}")
-                    classes[name] = type(module).__name__
-        if unmanaged:
-            where = "; ".join(
-                f"'{name or '<root>'}' ({classes[name]}): {', '.join(params)}" for name, params in unmanaged.items()
-            )
-            raise UnmanagedParameterError(
-                f"zero3: parameters were added to the model after zero3.initialize: {where}. "
-                "zero3 does not manage them: they would not be sharded, averaged across ranks, "
-                "stepped by the optimizer or saved in checkpoints. Attach every module (and "
-                "assign every parameter) before zero3.initialize, or keep the new module "
-                "outside the model passed to it"
-            )
-        for module in self.root.modules():
-            self._wrap(module)
-        self._structure_changed = False
+    def _keep_escaping_params(self, tensors: list[torch.Tensor]) -> None:
+        """A parameter (or a view of one) in a call's output stays FULL for whoever gets it.
+
+        Inside the model it is handed to the calling unit, and registered as its
+        external so that the caller's backward gathers it too; out of the root it is
+        kept until the next backward ends (or the next forward begins).
+        """
+        for tensor in tensors:
+            sp = self.discovery.owner_of(tensor)
+            if sp is None or sp.persistent:
+                continue
+            parent = self.stack[-1] if self.stack else None
+            if parent is None:
+                if all(sp is not e for e in self.escaped):
+                    self.acquire([sp])
+                    self.escaped.append(sp)
+                continue
+            if parent.unit is not None and parent.unit.add_external(sp):
+                self.discoveries += 1
+            if parent.hold(sp):
+                self.acquire([sp], Phase.ACCESS, parent.unit)
 
     # ------------------------------------------------------------- forward
     def _pre_forward_hook(self, unit: FetchUnit):
@@ -768,7 +448,7 @@ class Fetcher:
             self.acquire(call.holds, Phase.FORWARD, unit)
             if self.tracking:
                 self.schedule.enter(backward, unit.index)
-                self._prefetch_ahead()
+                self.lookahead.prefetch()
         except BaseException:
             if root:
                 self._end_root_forward()  # the post-forward will find no call to end
@@ -795,7 +475,7 @@ class Fetcher:
             self._recomputed[id(unit)] = unit
         else:
             self._keep_escaping_params(tensors)
-            self._retain_for_reuse(unit)
+            self.lookahead.retain(unit)
             self.drop(call.holds)
         if unit is self._root_unit and not backward:
             self._end_root_forward()
@@ -816,45 +496,21 @@ class Fetcher:
                 return call
         return None
 
-    def _keep_escaping_params(self, tensors: list[torch.Tensor]) -> None:
-        """A parameter (or a view of one) in a call's output stays FULL for whoever gets it.
-
-        Inside the model it is handed to the calling unit, and registered as its
-        external so that the caller's backward gathers it too; out of the root it is
-        kept until the next backward ends (or the next forward begins).
-        """
-        for tensor in tensors:
-            sp = self._storage_owner.get(tensor.untyped_storage()._cdata)
-            if sp is None or sp.persistent:
-                continue
-            parent = self.stack[-1] if self.stack else None
-            if parent is None:
-                if all(sp is not e for e in self.escaped):
-                    self.acquire([sp])
-                    self.escaped.append(sp)
-                continue
-            if parent.unit is not None and parent.unit.add_external(sp):
-                self.discoveries += 1
-            if parent.hold(sp):
-                self.acquire([sp], Phase.ACCESS, parent.unit)
-
     def _begin_root_forward(self) -> None:
         if self.forward_depth == 0:
             self.forward_order = []
             if self.tracking:
                 self.guard.start_forward()
-            if self._structure_changed:
-                self._check_structure()
+            if self.discovery.structure_changed:
+                self.discovery.check_structure()
             if (self.stack or self._backward_calls or self.loose or self.escaped or self._recomputed
-                    or self._spare or self._inflight):
+                    or self.lookahead.busy):
                 self._drop_own_holds()  # the last backward never ran, or something raised
             if self.tracking:
                 self.schedule.start_step(torch.is_grad_enabled())
-            if self._side_stream is not None:
-                self._shards_ready = torch.cuda.Event()
-                self._shards_ready.record()
+            self.wire.mark_shards_ready()
             if not self.all_resident:
-                self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+                self._saved_hooks = self.discovery.saved_tensor_hooks()
                 self._saved_hooks.__enter__()
         self.forward_depth += 1
 
@@ -868,11 +524,11 @@ class Fetcher:
         if unwinding():
             return  # no collective while an exception propagates: other ranks may not be here
         if not torch.is_grad_enabled():
-            self._drop_spare()  # no backward follows
+            self.lookahead.drop_spares()  # no backward follows
         if torch.is_grad_enabled() and self.comm.active and self.guard.trace_unsent():
             # Units entered after the last gather (resident parameters only) must match
             # too, before gradient reductions depend on them.
-            self._check_in()
+            self.wire.check_in(self._root_unit.index)
         self.guard.flush()
 
     # ------------------------------------------------------------ backward
@@ -919,7 +575,7 @@ class Fetcher:
         call.backward_holds = list(params)
         self._backward_calls[id(call)] = call
         self.schedule.enter(True, unit.index)
-        self._prefetch_ahead()
+        self.lookahead.prefetch()
 
     def post_backward(self, call: Call) -> None:
         """A call's backward is done: drop its holds (and its unit's recompute holds)."""
@@ -934,7 +590,7 @@ class Fetcher:
             return False
         holds, call.backward_holds = call.backward_holds, []
         if call.unit is not None:
-            self._retain_for_reuse(call.unit)
+            self.lookahead.retain(call.unit)
         self.drop(holds)
         return True
 
@@ -955,23 +611,8 @@ class Fetcher:
         if self._open_tasks:
             return
         self._drop_recompute_holds()
-        self._drop_spare()
+        self.lookahead.drop_spares()
         escaped, self.escaped = self.escaped, []
         self.drop(escaped)
         self.guard.flush()
         self.on_backward_end()
-
-    # ---------------------------------------------------- saved-tensor safety net
-    def _pack(self, tensor: torch.Tensor) -> Any:
-        sp = self._storage_owner.get(tensor.untyped_storage()._cdata)
-        return (sp, tensor) if sp is not None else tensor
-
-    def _unpack(self, packed: Any) -> torch.Tensor:
-        if not isinstance(packed, tuple):
-            return packed
-        sp, tensor = packed
-        if sp.state is not ParamState.FULL:
-            self.late_gathers += 1
-            self.acquire([sp], Phase.SAFETY_NET, None)
-            self.loose.append((current_task(), sp))
-        return tensor

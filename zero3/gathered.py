@@ -8,7 +8,10 @@ with the same parameters. Inside, each parameter is FULL on every rank. On exit:
 - `modifier_rank=None`: the values must be unchanged; a change made on any rank, to any
   element, is undone and raises on every rank, because it would otherwise be silently
   lost (or, for a resident parameter, kept on one rank only).
-Parameters not managed by an engine pass through untouched.
+Parameters partitioned by `zero3.Init` and not yet given to an engine are gathered the
+same way (init_gather.py). A parameter whose storage is released but that neither an
+engine nor zero3.Init manages (its engine was destroyed) is refused with
+`ReleasedParameterError`; other parameters pass through untouched.
 
 Memory: with `modifier_rank=None` a copy of the gathered values is kept (on their
 device) for the duration of the context, so that a change is detected exactly, bit for
@@ -24,7 +27,10 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .init import Init, init_shard_of
+from .init_gather import InitGather, same_bits
 from .partition import ParamState, ShardedParam
+from .released import refuse_released
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -74,19 +80,30 @@ class GatheredParameters:
         self.modifier_rank = modifier_rank
         self.enabled = enabled
         self._groups: list[tuple["Engine", list[ShardedParam]]] = []
+        self._init_gather: InitGather | None = None
         self._snapshots: dict[int, torch.Tensor] = {}  # id(sp) -> full values on entry
 
     def __enter__(self) -> "GatheredParameters":
         if not self.enabled:
             return self
         by_engine: dict[int, tuple["Engine", list[ShardedParam]]] = {}
+        init_params: list[torch.Tensor] = []
         for p in self.params:
             engine = engine_of(p)
             if engine is not None:
                 sps = by_engine.setdefault(id(engine), (engine, []))[1]
                 if all(engine.table[p] is not sp for sp in sps):
                     sps.append(engine.table[p])
+            elif init_shard_of(p) is not None:
+                if Init._active is not None:
+                    continue  # inside the context, zero3.Init gathers a parameter on use itself
+                if all(q is not p for q in init_params):
+                    init_params.append(p)
+            else:
+                refuse_released(p, "GatheredParameters", fix="no engine or zero3.Init manages it any more "
+                                "(was its engine destroyed?); gather it before engine.destroy()")
         self._groups = list(by_engine.values())
+        self._enter_init_params(init_params)
         for engine, sps in self._groups:
             if self.modifier_rank is not None and not 0 <= self.modifier_rank < engine.comm.world_size:
                 raise GatheredParametersError(
@@ -94,9 +111,22 @@ class GatheredParameters:
                     f"{engine.comm.world_size}; use 0..{engine.comm.world_size - 1} or None"
                 )
             engine.fetcher.acquire(sps)
+            for sp in sps:
+                refuse_released(sp.param, "GatheredParameters", sp.name, fix="something outside zero3 freed or "
+                                "replaced its storage; leave a managed parameter's storage and `.data` to zero3")
             if self.modifier_rank is None:
                 self._snapshots.update((id(sp), sp.param.detach().clone()) for sp in sps)
         return self
+
+    def _enter_init_params(self, params: list[torch.Tensor]) -> None:
+        if not params:
+            return
+        world = torch.distributed.get_world_size()
+        if self.modifier_rank is not None and not 0 <= self.modifier_rank < world:
+            raise GatheredParametersError(f"modifier_rank={self.modifier_rank} is not a rank of this world of "
+                                          f"{world}; use 0..{world - 1} or None")
+        self._init_gather = InitGather(params, self.modifier_rank)
+        self._init_gather.enter()
 
     def __exit__(self, exc_type, exc, tb) -> None:
         """Collective on every path (an exception inside the context included)."""
@@ -110,12 +140,26 @@ class GatheredParameters:
                     engine.fetcher.drop(sps)
                 else:
                     self._refuse_changes(engine, sps, raise_error=exc_type is None)
+            self._exit_init_params(raise_error=exc_type is None)
         finally:
             self._snapshots.clear()
             self._groups = []
+            self._init_gather = None
+
+    def _exit_init_params(self, raise_error: bool) -> None:
+        if self._init_gather is None:
+            return
+        changed_by_rank = self._init_gather.exit(raise_on_change=raise_error)
+        if any(changed_by_rank):
+            where = "; ".join(f"rank {r}: {', '.join(names)}" for r, names in enumerate(changed_by_rank) if names)
+            raise GatheredParametersError(
+                f"parameters built by zero3.Init were modified inside GatheredParameters(modifier_rank=None) "
+                f"({where}); the change was undone, since it would be lost on release. Pass "
+                "modifier_rank=<the rank whose values should be kept> (e.g. 0) to keep it"
+            )
 
     def _refuse_changes(self, engine: "Engine", sps: list[ShardedParam], raise_error: bool) -> None:
-        changed = [sp for sp in sps if not _same_bits(sp.param.detach(), self._snapshots[id(sp)])]
+        changed = [sp for sp in sps if not same_bits(sp.param.detach(), self._snapshots[id(sp)])]
         changed_by_rank = engine.comm.gather_objects([sp.name for sp in changed])
         with torch.no_grad():
             for sp in changed:  # undo (through .data: no autograd version bump)
@@ -128,13 +172,6 @@ class GatheredParameters:
                 "the change was undone, since it would be lost on release. Pass modifier_rank=<the "
                 "rank whose values should be kept> (e.g. 0) to keep it"
             )
-
-
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bitwise equality (so a NaN that stays a NaN is no change)."""
-    if a.numel() == 0:
-        return True
-    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
 
 
 def _adopt_values_of(engine: "Engine", sps: list[ShardedParam], src: int) -> None:

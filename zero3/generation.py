@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
+from .released import refuse_released
+
 if TYPE_CHECKING:
     from .engine import Engine
 
@@ -46,6 +48,10 @@ def gathered_for_generation(engine: "Engine", eval_mode: bool = True) -> Iterato
     for unit in engine.units:
         fetcher.acquire(unit.params)
         held.append(unit.params)
+    for sp in engine.table.values():
+        refuse_released(sp.param, "gathered_for_generation", sp.name,
+                        fix="something outside zero3 freed or replaced its storage; leave a managed "
+                        "parameter's storage and `.data` to zero3")
     was_training = engine.module.training
     engine.module.train(not eval_mode and was_training)
     fetcher.tracking = False

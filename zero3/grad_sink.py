@@ -48,7 +48,8 @@ from .partition import ShardedParam
 class GradSink:
     """Accumulates gradient slices into fp32 gradient shards on `grad_device`."""
 
-    def __init__(self, params: list[ShardedParam], grad_device: torch.device, staging_bytes: int) -> None:
+    def __init__(self, params: list[ShardedParam], grad_device: torch.device, staging_bytes: int,
+                 fence: Callable[[], None] | None = None) -> None:
         self.grad_device = grad_device
         self.params = [sp for sp in params if sp.requires_grad]
         self.staging_bytes = max(int(staging_bytes), 1)
@@ -58,7 +59,7 @@ class GradSink:
         self._copies_done: torch.cuda.Event | None = None
         self._staged: deque[tuple[torch.cuda.Event, torch.Tensor, torch.Tensor]] = deque()
         self._staged_bytes = 0
-        self.fence: Callable[[], None] | None = None
+        self.fence = fence
 
     # ----------------------------------------------------------------- entry
     def deliver(self, sp: ShardedParam, piece: torch.Tensor) -> None:

@@ -23,7 +23,9 @@ construct the same model in the same order (gathers are collectives), as with De
 Memory ownership: a partitioned parameter keeps its identity, shape, dtype and device
 (the compute device), with a zero-byte storage; its shard is owned by this module's
 registry (`init_shard_of`) until an engine adopts it (`claim_init_shard`). Outside the
-context, a partitioned parameter is usable only through the engine.
+context, a partitioned parameter is usable only through the engine or
+`zero3.GatheredParameters`; until an engine adopts it, its module's forward raises
+`ReleasedParameterError` and its state_dict gives meta tensors (released.py).
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .accelerator import get_accelerator
 from .comm import Communicator
 from .partition import owned_range, shard_numel_for
+from .released import ReleasedParameterError, describe, guard_state_dict, is_released, refuse_released
+from .wire import gather_rows
 
 
 class InitError(RuntimeError):
@@ -110,12 +114,52 @@ def _overwritten(func: Any, args: tuple, kwargs: dict) -> torch.Tensor | None:
     return target
 
 
+def _is_data_assignment(func: Any) -> bool:
+    """`param.data = tensor` (the `data` attribute's setter)."""
+    owner = getattr(func, "__self__", None)
+    return (type(owner).__name__ == "getset_descriptor" and getattr(owner, "__name__", "") == "data"
+            and getattr(func, "__name__", "") == "__set__")
+
+
 def _touches_values(func: Any) -> bool:
     """Whether a torch function call may read or write a tensor argument's values."""
     owner = getattr(func, "__self__", None)
     if type(owner).__name__ == "getset_descriptor":  # an attribute: only `.data` aliases values
         return getattr(owner, "__name__", "") == "data"
     return getattr(func, "__name__", "") not in _METADATA_METHODS
+
+
+_forward_guarded: WeakIdKeyDictionary = WeakIdKeyDictionary()  # module -> hook handle
+
+
+def _guard_module(module: nn.Module) -> None:
+    """A module holding partitioned parameters refuses to run outside the context and
+    before an engine adopts them, and its state_dict gives no released storage."""
+    guard_state_dict(module)
+    if module not in _forward_guarded:
+        _forward_guarded[module] = module.register_forward_pre_hook(_refuse_partitioned_forward)
+
+
+def drop_forward_guards(model: nn.Module) -> None:
+    """An engine has adopted `model`'s parameters: its modules' forward guards go."""
+    for module in model.modules():
+        handle = _forward_guarded.pop(module, None)
+        if handle is not None:
+            handle.remove()
+
+
+def _refuse_partitioned_forward(module: nn.Module, args: tuple) -> None:
+    """Forward pre-hook: no-op once an engine has adopted the parameters (or inside Init)."""
+    if Init._active is not None:
+        return
+    for name, param in module._parameters.items():
+        if param is not None and param in _registry and is_released(param):
+            raise ReleasedParameterError(
+                f"forward of {type(module).__name__} outside zero3.Init and before zero3.initialize: its "
+                f"{describe(param, name)} is partitioned (this rank holds a shard only). Pass the model to "
+                "zero3.initialize and call the engine, or gather the parameters you need with "
+                "zero3.GatheredParameters(params)"
+            )
 
 
 class _MaterializeOnUse(TorchFunctionMode):
@@ -130,6 +174,9 @@ class _MaterializeOnUse(TorchFunctionMode):
         if not self.init.busy and _touches_values(func):
             tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
             touched = [t for t in tensors if t in _registry]
+            if touched and _is_data_assignment(func):
+                self.init.assign_data(args[0], args[1])
+                return None
             if touched:
                 self.init.materialize(touched, in_use=tensors, overwritten=_overwritten(func, args, kwargs))
                 result = func(*args, **kwargs)
@@ -219,6 +266,7 @@ class Init:
     def _on_parameter_registered(self, module: nn.Module, name: str, param: nn.Parameter | None) -> None:
         """A new parameter: the ones registered before it are partitioned now."""
         self._partition_pending()
+        _guard_module(module)
         if param is not None and param not in _registry:
             self._pending.append(param)
 
@@ -241,6 +289,8 @@ class Init:
 
     # ------------------------------------------------------------ transitions
     def partition_module(self, module: nn.Module) -> None:
+        for child in module.modules():
+            _guard_module(child)
         for param in module.parameters():
             self.partition(param)
 
@@ -252,12 +302,32 @@ class Init:
         which is partitioned then): it is left as it is."""
         if param in _registry or param.is_meta:
             return
+        refuse_released(param, "zero3.Init: partitioning a parameter registered in the context",
+                        fix="it is sharded by an engine already: build new modules with their own parameters, "
+                        "or gather it with zero3.GatheredParameters and copy its values")
         with self._transition(), torch.no_grad():
             full = self._full_on_compute_device(param)
             self.comm.broadcast(full, src=0)
             _registry[param] = InitShard(self._slice(full), param.numel(), self.comm.world_size, self.comm.rank)
             param.data = full
             param.untyped_storage().resize_(0)
+
+    def assign_data(self, param: nn.Parameter, value: torch.Tensor) -> None:
+        """`param.data = value` on a partitioned parameter: `value`'s values are copied into
+        the parameter's own storage, then partitioned (rank 0's values); `value` keeps its
+        own storage, so freeing the parameter's never frees the caller's tensor."""
+        if tuple(value.shape) != tuple(param.shape) or value.dtype != param.dtype:
+            raise InitError(
+                f"zero3.Init: `param.data = tensor` with a tensor of shape {tuple(value.shape)} {value.dtype} on "
+                f"a partitioned parameter of shape {tuple(param.shape)} {param.dtype}; a partitioned parameter "
+                "keeps its shape and dtype: assign a tensor of the same shape and dtype, or build the module "
+                "with the right shape"
+            )
+        refuse_released(value, "zero3.Init: `param.data = tensor`")
+        self.materialize([param], in_use=[param, value], overwritten=param)
+        with self._transition(), torch.no_grad():
+            param.data.copy_(value)
+        self.settle_unless_aliased([param], None)
 
     def materialize(self, params: list[torch.Tensor], in_use: list[torch.Tensor] = (),
                     overwritten: torch.Tensor | None = None) -> None:
@@ -286,12 +356,9 @@ class Init:
             if param is overwritten:
                 continue
             flat = param.data.view(-1)
-            padded = record.shard_numel * record.world_size
-            rows = flat if padded == flat.numel() else torch.empty(padded, dtype=param.dtype, device=flat.device)
-            self.comm.all_gather_into(rows, record.shard.to(self.compute_device))
-            if rows is not flat:
-                with torch.no_grad():
-                    flat.copy_(rows[:flat.numel()])
+            rows = gather_rows(self.comm, record.shard, self.compute_device).view(-1)
+            with torch.no_grad():
+                flat.copy_(rows[:flat.numel()])
 
     def settle_unless_aliased(self, params: list[torch.Tensor], result: Any) -> None:
         """After a call: settle each of its parameters at once, unless the call returned

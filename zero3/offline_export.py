@@ -12,7 +12,7 @@ from typing import Any, Iterator
 
 import torch
 
-from . import checkpoint as ckpt
+from . import checkpoint_format as ckpt
 from .export import TensorSpec, write_safetensors
 
 

@@ -8,7 +8,10 @@ hyper-parameters, its identity (lr schedulers hold it) and its state_dict format
 its per-parameter state (exp_avg, ...) is therefore shard-sized.
 
 Step, at the gradient-accumulation boundary:
-  grads (ShardedParam.grad_shard) -> master.grad; optional global-norm clipping;
+  grads (ShardedParam.grad_shard) -> master.grad, None for a parameter no rank produced a
+  gradient for in the window (torch optimizers then leave it and its state alone, as in
+  plain PyTorch; grad_usage.py says how a leaf's unused parameters are told apart from
+  the zeros reduced for them); optional global-norm clipping;
   the update, sub-group by sub-group (DeepSpeed's `sub_group_size`: at most that many
   elements, whole parameters, per optimizer call); master -> compute shard per sub-group;
   resident parameters re-gathered; grads dropped.
@@ -32,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from .comm import Communicator
+from .grad_usage import GradUsage
 from .host_step import BackgroundStep
 from .partition import ShardedParam
 
@@ -59,9 +63,14 @@ class ShardedOptimizer:
         pin_memory: bool = False,
         sub_group_numel: int = 0,
         unit_order: UnitOrder | None = None,
+        usage: GradUsage | None = None,
+        background: BackgroundStep | None = None,
     ) -> None:
         """`sub_group_numel`: elements per optimizer call (0: all at once). `unit_order`:
-        given only when the update is to run behind the next forward (see the module doc)."""
+        given only when the update is to run behind the next forward (see the module doc), on
+        `background`, the worker the fetcher and gradient sink were built to wait for.
+        `usage`: which leaf parameters got a real gradient in the window (grad_usage.py);
+        None when every gradient shard stands for a real gradient."""
         self.optimizer = optimizer
         self.comm = comm
         self.master_device = master_device
@@ -73,7 +82,8 @@ class ShardedOptimizer:
         self._last_norm: torch.Tensor | float | None = None
         self.sub_group_numel = max(int(sub_group_numel), 0)
         self.unit_order = unit_order
-        self.background = BackgroundStep()
+        self.usage = usage
+        self.background = background or BackgroundStep()
         self._shadows: dict[tuple[int, ...], torch.optim.Optimizer] = {}
         self._remap_param_groups(table)
         self._client_group_of = [
@@ -138,6 +148,24 @@ class ShardedOptimizer:
         """Squared L2 norm of the full gradient (fp64, one element, on the device where it
         was reduced); each element lives in exactly one rank's shard. No host sync.
         `grad_divisor`: what the gradients were divided by after their norms were taken."""
+        local = self._local_grad_norm_squared(grad_divisor)
+        self.comm.all_reduce(local)
+        return local
+
+    def _norm_and_unused(self, grad_divisor: float) -> tuple[torch.Tensor, list[ShardedParam]]:
+        """The global squared gradient norm, and the leaf parameters no rank used in the
+        window (grad_usage.py): one all-reduce carries both, the usage counts after the norm."""
+        local = self._local_grad_norm_squared(grad_divisor)
+        if self.usage is None or not self.usage.size:
+            self.comm.all_reduce(local)
+            return local, []
+        both = torch.cat([local, self.usage.local_counts(local.dtype, local.device)])
+        self.comm.all_reduce(both)
+        return both[:1], self.usage.unused_everywhere(both[1:])
+
+    def _local_grad_norm_squared(self, grad_divisor: float) -> torch.Tensor:
+        """This rank's part of the squared norm (fp64, one element), on the device the
+        all-reduce runs on."""
         grads, known = [], []
         for sp, m in zip(self.params, self.masters):
             if m.grad is None:
@@ -155,7 +183,6 @@ class ShardedOptimizer:
             local = local + torch.stack(known).sum().to(self.master_device) / grad_divisor ** 2
         if self.comm.active and local.device.type == "cpu" and torch.cuda.is_available() and dist_backend_is_nccl():
             local = local.cuda()
-        self.comm.all_reduce(local)
         return local
 
     def global_grad_norm(self) -> float:
@@ -165,7 +192,7 @@ class ShardedOptimizer:
     def _clip(self, squared_norm: torch.Tensor) -> None:
         """Scale the gradients by min(1, clip / (norm + 1e-6)), as torch's clip_grad_norm_,
         computed on the device (no host sync)."""
-        grads = [m.grad for m in self.masters]  # all on master_device
+        grads = [m.grad for m in self.masters if m.grad is not None]  # all on master_device
         if not grads:
             return
         coefficient = (self.gradient_clipping / (squared_norm.sqrt() + 1e-6)).clamp(max=1.0)
@@ -185,11 +212,16 @@ class ShardedOptimizer:
         """
         self.background.wait()
         for sp, master in zip(self.params, self.masters):
-            # A trainable parameter unused in this window gets a zero gradient (as DeepSpeed).
-            master.grad = sp.grad_shard if sp.grad_shard is not None else torch.zeros_like(master)
-        if grad_divisor != 1.0:
-            torch._foreach_div_([m.grad for m in self.masters], grad_divisor)
-        squared = self.global_grad_norm_squared(grad_divisor)
+            # None: no rank produced a gradient for it in this window. torch optimizers skip
+            # it (state, step count and weight decay untouched), as plain PyTorch does.
+            master.grad = sp.grad_shard
+        with_grad = [m.grad for m in self.masters if m.grad is not None]
+        if grad_divisor != 1.0 and with_grad:
+            torch._foreach_div_(with_grad, grad_divisor)
+        squared, unused = self._norm_and_unused(grad_divisor)
+        for sp in unused:  # zeros reduced by every rank for a leaf parameter none of them used
+            if id(sp) in self._master_by_param:
+                self._master_by_param[id(sp)].grad = None
         self._last_norm = squared
         skip_in_kernel = self._skips_in_kernel(squared)
         if self.check_overflow and not skip_in_kernel and not math.isfinite(self.last_grad_norm):
@@ -201,7 +233,7 @@ class ShardedOptimizer:
                 grad_scale = self._clip_divisor(squared)
             else:
                 self._clip(squared)
-        groups = self.sub_groups()
+        groups = self._separate_first_momentum(self.sub_groups())
         if self.unit_order is not None:
             self._start_background(groups, grad_scale)
             self._drop_shard_grads()  # the masters' .grad go with their sub-group, on the worker
@@ -262,6 +294,30 @@ class ShardedOptimizer:
             groups.extend(self._split(members))
         groups.extend(self._split([i for i in range(len(self.params)) if i not in taken]))
         return groups
+
+    def _separate_first_momentum(self, groups: list[list[int]]) -> list[list[int]]:
+        """torch's fused SGD treats a call's momentum buffers as all first (none exists yet)
+        or all later ones, and fails on a mix. A parameter stepped for the first time next
+        to parameters that have stepped before (it had no gradient until now) is stepped in
+        a call of its own, just before the rest of its sub-group (the result is the same:
+        the update is elementwise)."""
+        if not isinstance(self.optimizer, torch.optim.SGD):
+            return groups
+        state = self.optimizer.state
+
+        def first(i: int) -> bool:
+            master = self.masters[i]
+            return master.grad is not None and state.get(master, {}).get("momentum_buffer") is None
+
+        separated = []
+        for group in groups:
+            new = [i for i in group if first(i)]
+            rest = [i for i in group if not first(i)]
+            if new and any(self.masters[i].grad is not None for i in rest):
+                separated += [new, rest]
+            else:
+                separated.append(group)
+        return separated
 
     def _split(self, indices: list[int]) -> list[list[int]]:
         """Consecutive runs of at most `sub_group_numel` elements (whole parameters)."""
@@ -345,6 +401,12 @@ class ShardedOptimizer:
         masters, optimizer state or parameter shards outside the fetch path."""
         self.background.wait()
 
+    def settled_masters(self) -> dict[int, torch.Tensor]:
+        """id(ShardedParam) -> its fp32 master, once the update in flight is complete."""
+        self.wait()
+        return {id(sp): master for sp, master in zip(self.params, self.masters)}
+
+
     def _write_back_shards(self, group: list[int]) -> None:
         """master -> compute shard (a cast), one fused copy per device pair."""
         pairs: dict[tuple[torch.device, torch.device], tuple[list, list]] = {}
@@ -363,9 +425,12 @@ class ShardedOptimizer:
                         shard.copy_(source)
 
     def _drop_shard_grads(self) -> None:
+        """The window is over: gradient shards dropped, usage forgotten."""
         for sp in self.params:
             sp.grad_shard = None
             sp.grad_sq_norm = None
+        if self.usage is not None:
+            self.usage.reset()
 
     def zero_grad(self) -> None:
         self._drop_shard_grads()
@@ -381,3 +446,10 @@ class ShardedOptimizer:
 
 def dist_backend_is_nccl() -> bool:
     return dist.is_initialized() and dist.get_backend() == "nccl"
+
+
+def settle(optimizer: ShardedOptimizer | None) -> None:
+    """Wait for `optimizer`'s update in flight, if there is an optimizer: before code
+    outside the step reads or writes parameter shards, masters or optimizer state."""
+    if optimizer is not None:
+        optimizer.wait()

@@ -26,6 +26,7 @@ from torch import nn
 
 from .export import gather_full, state_dict_entries
 from .gathered import engine_of
+from .optim import settle
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -42,7 +43,7 @@ def _engine_and_shard(param: nn.Parameter) -> tuple["Engine", "ShardedParam"]:
         raise ParamAccessError(
             f"parameter of shape {tuple(param.shape)} belongs to no live zero3 engine; call this on a "
             "parameter of a model passed to zero3.initialize (before engine.destroy())")
-    engine._settle()
+    settle(engine.optimizer)
     return engine, engine.table[param]
 
 
@@ -225,9 +226,9 @@ def full_state_dict(engine: "Engine", prefix: str = "") -> dict[str, torch.Tenso
     CPU tensors the caller owns. A collective: one all-gather per parameter, in order."""
     out: dict[str, torch.Tensor] = {}
     gathered: dict[int, torch.Tensor] = {}
-    engine._settle()
+    settle(engine.optimizer)
     for name, kind, tensor in state_dict_entries(engine.module):
-        if kind == "buffer":
+        if kind == "buffer" or tensor not in engine.table:  # attached after initialize: whole already
             out[prefix + name] = tensor.detach().cpu().clone()
             continue
         sp = engine.table[tensor]
@@ -242,7 +243,7 @@ def load_full_state_dict(engine: "Engine", state_dict: dict[str, torch.Tensor], 
     """Write whole values into the shards, fp32 masters and buffers; no collective (every
     rank must pass the same values). Returns (missing keys, unexpected keys); with
     `strict` either is an error and nothing is written."""
-    engine._settle()
+    settle(engine.optimizer)
     entries = {prefix + name: (kind, tensor) for name, kind, tensor in state_dict_entries(engine.module)}
     missing = [k for k in entries if k not in state_dict]
     unexpected = [k for k in state_dict if k not in entries]
@@ -255,7 +256,7 @@ def load_full_state_dict(engine: "Engine", state_dict: dict[str, torch.Tensor], 
         if key not in state_dict:
             continue
         value = _as_shape(state_dict[key], tensor.shape, f"load_state_dict[{key!r}]")
-        if kind == "buffer":
+        if kind == "buffer" or tensor not in engine.table:
             with torch.no_grad():
                 tensor.copy_(value)
             continue

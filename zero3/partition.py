@@ -29,6 +29,8 @@ import math
 
 import torch
 
+from .released import refuse_released
+
 
 class ParamState(enum.Enum):
     SHARDED = "sharded"
@@ -166,7 +168,11 @@ class ShardedParam:
             self.write_rows(rows)
 
     def write_rows(self, rows: torch.Tensor) -> None:
-        """Copy the unpadded part of `rows` ([world_size, shard_numel]) into the parameter."""
+        """Copy the unpadded part of `rows` ([world_size, shard_numel]) into the parameter;
+        refuses (ReleasedParameterError) a parameter whose storage something else freed."""
+        refuse_released(self.param, "writing gathered or updated values", self.name,
+                        fix="something outside zero3 freed or replaced its storage; leave a managed "
+                        "parameter's storage and `.data` to zero3 (change values with GatheredParameters)")
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.param):
             copy_rows(self.param.data.view(-1), rows, self.shard_numel, into_rows=False)
 

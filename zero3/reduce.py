@@ -24,11 +24,15 @@ them, and for the sink's host copies: after it, every `grad_shard` is complete.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from .comm import Communicator
 from .grad_sink import GradSink
+from .grad_usage import GradUsage
 from .partition import ShardedParam
+from .wire import group_by_dtype
 
 
 class GradReducer:
@@ -44,9 +48,11 @@ class GradReducer:
         prescale: bool = False,
         predivide_factor: float = 1.0,
         overlap: bool = True,
+        fence: Callable[[], None] | None = None,
     ) -> None:
         """`overlap` (DeepSpeed's overlap_comm): False waits for each bucket's
-        reduce-scatter before backward goes on (less memory in flight, no overlap)."""
+        reduce-scatter before backward goes on (less memory in flight, no overlap).
+        `fence`: called before a gradient shard is written (GradSink)."""
         self.comm = comm
         self.overlap = overlap
         self.prescale = prescale
@@ -54,7 +60,7 @@ class GradReducer:
         self.bucket_numel = max(int(bucket_numel), 1)
         self.reduce_dtype = reduce_dtype
         self.grad_device = grad_device
-        self.sink = GradSink(params, grad_device, staging_bytes=4 * 2 * self.bucket_numel)
+        self.sink = GradSink(params, grad_device, staging_bytes=4 * 2 * self.bucket_numel, fence=fence)
         self.pending: list[tuple[ShardedParam, torch.Tensor]] = []
         self.deferred_ids: set[int] = set()
         self.deferred: dict[int, torch.Tensor] = {}
@@ -67,6 +73,7 @@ class GradReducer:
         # end_coalescing reduces them all at once.
         self.coalescing = False
         self.table = {sp.param: sp for sp in params}
+        self.usage = GradUsage()  # which leaf parameters got a real gradient this window
         self._handles = [
             sp.param.register_post_accumulate_grad_hook(self._on_grad_accumulated)
             for sp in params
@@ -108,6 +115,7 @@ class GradReducer:
         self.pending.clear()
         self.pending_numel = 0
         self.deferred.clear()
+        self.usage.reset()
 
     def defer(self, params: list[ShardedParam]) -> None:
         """Gradients of these parameters (a leaf unit's) wait for `reduce_deferred`.
@@ -118,6 +126,7 @@ class GradReducer:
         done, then reduced together in their fixed order.
         """
         self.deferred_ids.update(id(sp) for sp in params)
+        self.usage.add_leaf_params(params)
 
     def reduce_deferred(self, params: list[ShardedParam], held_only: bool = True) -> None:
         """Reduce a leaf's gradients in the leaf's parameter order, with zeros for the
@@ -141,6 +150,7 @@ class GradReducer:
         param.grad = None
         if grad is None:
             return
+        self.usage.note(sp)
         if self.coalescing:  # held for end_coalescing, with this backward's divisor applied now
             if self.backward_divisor != 1.0:
                 grad = grad / self.backward_divisor
@@ -197,11 +207,7 @@ class GradReducer:
         if not self.pending:
             return
         pending, self.pending, self.pending_numel = self.pending, [], 0
-        by_dtype: dict[torch.dtype, list[tuple[ShardedParam, torch.Tensor]]] = {}
-        for sp, grad in pending:
-            dtype = self.reduce_dtype or grad.dtype
-            by_dtype.setdefault(dtype, []).append((sp, grad))
-        for dtype, group in by_dtype.items():
+        for dtype, group in group_by_dtype(pending, lambda item: self.reduce_dtype or item[1].dtype):
             self._reduce_group(group, dtype)
 
     def _reduce_group(self, group: list[tuple[ShardedParam, torch.Tensor]], dtype: torch.dtype) -> None:

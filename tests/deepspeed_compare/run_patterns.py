@@ -1,7 +1,7 @@
 #!/usr/bin/env python
-"""Issue 3's access patterns against DeepSpeed 0.19.8 (not collected by pytest).
+"""The access patterns against DeepSpeed 0.19.8 (not collected by pytest).
 
-Runs the cases of tests/test_access_patterns.py with `deepspeed.initialize` instead of
+Runs the cases of tests/test_access_*.py (tests/access_cases.py) with `deepspeed.initialize` instead of
 `zero3.initialize`, on real gloo processes (tests/harness.py), and compares them with the
 same plain-PyTorch reference; plus DeepSpeed versions of the error-path probes (rank-
 dependent control flow without a leaf, a module attached after initialize, a change made
@@ -67,7 +67,14 @@ _install_pytest_stand_in()
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-import test_access_patterns as t  # noqa: E402
+import importlib  # noqa: E402
+
+import access_cases  # noqa: E402
+
+FAMILIES = ["reads", "adapters", "control_flow", "modes", "gathered"]
+# One namespace with the machinery and every family's models, steps and workers.
+t = types.SimpleNamespace(**{name: value for module in [access_cases] + [
+    importlib.import_module(f"test_access_{family}") for family in FAMILIES] for name, value in vars(module).items()})
 from harness import run_ranks  # noqa: E402
 
 FRAMEWORK = "deepspeed"
@@ -95,7 +102,7 @@ def short(error: BaseException | str, limit: int = 300) -> str:
 def parity(name: str, world: int) -> str:
     with tempfile.TemporaryDirectory() as folder:
         try:
-            results = run_ranks(t.cases_worker, world, [name], folder, FRAMEWORK, timeout=300, collective_timeout=60)
+            results = run_ranks(t.cases_worker, world, [name], folder, FRAMEWORK, (t.CASES[name].home,), timeout=300, collective_timeout=60)
         except AssertionError as exc:
             return "FAILS: " + short(exc)
     try:

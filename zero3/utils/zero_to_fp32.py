@@ -14,6 +14,7 @@ tensor (safetensors refuses shared storage).
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -21,7 +22,9 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from .. import checkpoint as ckpt
+from .. import checkpoint_format as ckpt
+
+logger = logging.getLogger("zero3")
 
 _UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
@@ -34,7 +37,7 @@ def _tag_folder(checkpoint_dir: str | os.PathLike, tag: str | None) -> Path:
             raise ValueError(f"no 'latest' file in {root}: pass tag= (one of the checkpoint's tag folders)")
         raise FileNotFoundError(f"checkpoint tag folder {root / str(tag)} does not exist")
     if warning:
-        ckpt.logger.warning(warning)
+        logger.warning(warning)
     return root / resolved
 
 

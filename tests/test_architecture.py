@@ -1,0 +1,216 @@
+"""The package's shape, and the private torch behaviour it is built on.
+
+- Every field of the typed config is read by some code outside config.py (or by a
+  property of config.py that code reads): a field nothing reads is a promise with no
+  effect.
+- No import cycle among zero3's modules (imports inside functions counted; TYPE_CHECKING
+  blocks not), classes and functions within the sizes the code style sets.
+- The private torch internals zero3 relies on still exist and behave as zero3 assumes:
+  a torch upgrade that changes one fails here, by name, not somewhere deep in a step.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+PACKAGE = Path(__file__).resolve().parent.parent / "zero3"
+MAX_CLASS_LINES = 460
+MAX_FUNCTION_LINES = 60
+
+
+def _modules() -> dict[str, ast.Module]:
+    trees = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        name = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        trees[name.removesuffix(".__init__")] = ast.parse(path.read_text(), filename=str(path))
+    return trees
+
+
+def _attribute_reads(tree: ast.AST) -> set[str]:
+    """Attribute names read anywhere in `tree` (x.name), and string constants (getattr)."""
+    names = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
+    names |= {node.value for node in ast.walk(tree) if isinstance(node, ast.Constant) and isinstance(node.value, str)}
+    return names
+
+
+def _config_fields(tree: ast.Module) -> list[tuple[str, str]]:
+    """(class, field) of every public dataclass in config.py."""
+    fields = []
+    for node in tree.body:
+        if (isinstance(node, ast.ClassDef) and not node.name.startswith("_")
+                and any("dataclass" in ast.unparse(d) for d in node.decorator_list)):
+            fields += [(node.name, item.target.id) for item in node.body
+                       if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)]
+    return fields
+
+
+def test_every_config_field_is_read_outside_the_config_module():
+    trees = _modules()
+    config = trees.pop("zero3.config")
+    read_elsewhere = set().union(*(_attribute_reads(tree) for tree in trees.values()))
+    read_by_config_properties = {
+        node.attr for fn in ast.walk(config) if isinstance(fn, ast.FunctionDef)
+        and any(isinstance(d, ast.Name) and d.id == "property" for d in fn.decorator_list)
+        for node in ast.walk(fn) if isinstance(node, ast.Attribute)}
+    fields = _config_fields(config)
+    assert len(fields) > 40, f"found only {len(fields)} config fields: the parse of config.py is off"
+    dead = [f"{cls}.{name}" for cls, name in fields
+            if name not in read_elsewhere and name not in read_by_config_properties]
+    assert not dead, (f"config fields that no code reads: {dead}; give each an effect, or refuse the "
+                      "key in the config rule table with its reason")
+
+
+def _imports(module: str, tree: ast.Module, known: set[str]) -> set[str]:
+    skip: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skip |= {id(sub) for sub in ast.walk(node)}
+    is_package = (PACKAGE.parent / Path(*module.split("."))).is_dir()
+    parts = module.split(".")
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = parts[: len(parts) - node.level + (1 if is_package else 0)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            submodules = [f"{target}.{alias.name}" for alias in node.names if f"{target}.{alias.name}" in known]
+            # `from . import a, b` imports submodules only; `from .m import name` imports m
+            candidates = submodules if len(submodules) == len(node.names) else [target] + submodules
+        elif isinstance(node, ast.Import):
+            candidates = [alias.name for alias in node.names]
+        else:
+            continue
+        found |= {c for c in candidates if c in known and c != module}
+    return found
+
+
+def test_no_import_cycle_among_the_package_modules():
+    trees = _modules()
+    graph = {name: _imports(name, tree, set(trees)) for name, tree in trees.items()}
+    cycles = []
+    for start in graph:  # a path back to `start` through its imports is a cycle
+        stack, seen = [(start, [start])], set()
+        while stack:
+            node, path = stack.pop()
+            for nxt in graph[node]:
+                if nxt == start:
+                    cycles.append(" -> ".join(path + [start]))
+                elif nxt not in seen:
+                    seen.add(nxt)
+                    stack.append((nxt, path + [nxt]))
+    assert not cycles, f"import cycles: {sorted(set(cycles))[:5]}"
+
+
+def test_classes_and_functions_stay_small():
+    too_big = []
+    for name, tree in _modules().items():
+        for node in ast.walk(tree):
+            lines = getattr(node, "end_lineno", 0) - getattr(node, "lineno", 0) + 1
+            if isinstance(node, ast.ClassDef) and lines > MAX_CLASS_LINES:
+                too_big.append(f"class {name}.{node.name}: {lines} lines (at most {MAX_CLASS_LINES})")
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and lines > MAX_FUNCTION_LINES:
+                too_big.append(f"function {name}.{node.name}: {lines} lines (at most {MAX_FUNCTION_LINES})")
+    assert not too_big, "split these on their seams: " + "; ".join(too_big)
+
+
+# ------------------------------------------------------- private torch internals
+def test_graph_task_id_tells_backward_from_forward():
+    """fetch.in_backward / current_task: torch._C._current_graph_task_id."""
+    assert torch._C._current_graph_task_id() == -1
+    seen = []
+    x = torch.ones(2, requires_grad=True)
+    y = (x * 2).sum()
+    y.grad_fn.register_prehook(lambda grads: seen.append(torch._C._current_graph_task_id()))
+    y.backward()
+    assert len(seen) == 1 and seen[0] != -1
+
+
+def test_queue_callback_runs_at_the_end_of_the_backward_pass():
+    """fetch.pre_backward: Variable._execution_engine.queue_callback ends a backward."""
+    order = []
+    x = torch.ones(2, requires_grad=True)
+    h = x * 2
+    h.register_hook(lambda g: (order.append("hook"), torch.autograd.Variable._execution_engine.queue_callback(
+        lambda: order.append("end")))[0])
+    (h * 3).sum().backward()
+    order.append("after")
+    assert order == ["hook", "end", "after"]
+
+
+def test_storage_identity_and_resize_release():
+    """discovery.owner_of (untyped_storage()._cdata equal for views) and ShardedParam's
+    release (untyped_storage().resize_(0) frees; resizing back makes it usable again)."""
+    p = nn.Parameter(torch.arange(12.0))
+    view = p.data.view(3, 4)[1:]
+    assert view.untyped_storage()._cdata == p.untyped_storage()._cdata
+    assert torch.ones(3).untyped_storage()._cdata != p.untyped_storage()._cdata
+    p.untyped_storage().resize_(0)
+    assert p.untyped_storage().nbytes() == 0
+    p.untyped_storage().resize_(12 * 4)
+    with torch.no_grad():
+        p.copy_(torch.arange(12.0) + 1)
+    assert p.sum().item() == sum(range(1, 13))
+
+
+def test_module_attribute_reads_go_through_parameters_getitem():
+    """discovery.TrackedParameters: `module.weight` reads `_parameters[name]` via __getitem__."""
+    reads = []
+
+    class Counting(dict):
+        def __getitem__(self, name):
+            reads.append(name)
+            return super().__getitem__(name)
+
+    layer = nn.Linear(2, 2)
+    layer._parameters = Counting(layer._parameters)
+    layer(torch.ones(1, 2))
+    _ = layer.weight
+    assert reads.count("weight") == 2 and "bias" in reads
+
+
+def test_registration_hooks_and_saved_tensor_hooks():
+    """init.py: module-level parameter/module registration hooks; discovery.py: saved-tensor hooks."""
+    registered = []
+    handles = [nn.modules.module.register_module_parameter_registration_hook(
+        lambda module, name, param: registered.append(name))]
+    handles.append(nn.modules.module.register_module_module_registration_hook(
+        lambda module, name, sub: registered.append(name)))
+    try:
+        nn.Sequential(nn.Linear(1, 1))
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert {"weight", "bias", "0"} <= set(registered)
+    packed = []
+    x = torch.ones(3, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
+        y = (x * x).sum()
+    y.backward()
+    assert packed and torch.equal(x.grad, 2 * torch.ones(3))
+
+
+def test_pytree_and_foreach_and_incompatible_keys():
+    """fetch.py (tree_flatten / unflatten of hook arguments), optim.py and grad_sink.py
+    (torch._foreach_*), engine_surface.py (nn.modules.module._IncompatibleKeys)."""
+    from torch.utils._pytree import tree_flatten
+
+    flat, spec = tree_flatten(((torch.ones(1), 2), {"k": torch.zeros(2)}))
+    assert len(flat) == 3 and spec.unflatten(flat)[1]["k"].shape == (2,)
+    a, b = [torch.ones(3), torch.full((2,), 2.0)], [torch.zeros(3), torch.zeros(2)]
+    assert [n.item() for n in torch._foreach_norm(a, 2.0)] == pytest.approx([3 ** 0.5, 8 ** 0.5])
+    torch._foreach_mul_(a, torch.tensor(2.0))
+    torch._foreach_div_(a, 2.0)
+    torch._foreach_copy_(b, a)
+    torch._foreach_add_(b, a)
+    assert torch.equal(b[0], 2 * torch.ones(3)) and torch.equal(b[1], torch.full((2,), 4.0))
+    keys = nn.modules.module._IncompatibleKeys(["m"], ["u"])
+    assert keys.missing_keys == ["m"] and keys.unexpected_keys == ["u"]

@@ -1,0 +1,160 @@
+"""Released storage: every path that could touch a freed parameter storage fails by name.
+
+A sharded parameter keeps its shape with a zero-byte storage; torch kernels such as
+`add_` or `sum` do not check that, so touching one would read or write freed memory
+(a segmentation fault). One 2-rank launch runs every check; each records the error's
+class name (or the observed values) and the test asserts them on both ranks.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from common import config, make_batches, make_model
+from harness import run_ranks
+
+os.environ.setdefault("ZERO3_ACCELERATOR", "cpu")
+
+INIT_CONFIG = {"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 1}
+
+
+def _error_of(call) -> str:
+    try:
+        call()
+    except Exception as exc:  # noqa: BLE001 - the class name is what the test checks
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def _two_linears():
+    import zero3
+
+    torch.manual_seed(0)
+    with zero3.zero.Init(config_dict_or_path=INIT_CONFIG):
+        l1, l2 = nn.Linear(10, 10), nn.Linear(10, 10)
+    return l1, l2
+
+
+def gathered_init_checks(rank: int) -> dict:
+    """GatheredParameters over zero3.Init parameters before initialize (the reported crash)."""
+    import zero3
+
+    l1, l2 = _two_linears()
+    out = {}
+    with zero3.zero.GatheredParameters([l1.weight, l2.weight], modifier_rank=None):
+        before = l1.weight.detach().clone()
+        with torch.no_grad():
+            l1.weight.add_(0.0)  # the reported SIGSEGV: no change, so no error
+    out["unchanged"] = "ok"
+
+    def modify():
+        with zero3.zero.GatheredParameters([l1.weight, l2.weight], modifier_rank=None):
+            with torch.no_grad():
+                l1.weight.add_(1.0)
+    out["modified"] = _error_of(modify)
+    with zero3.zero.GatheredParameters([l1.weight], modifier_rank=None):
+        out["undone"] = torch.equal(l1.weight.detach(), before)
+    with zero3.zero.GatheredParameters([l1.weight], modifier_rank=0):
+        with torch.no_grad():
+            l1.weight.fill_(float(rank + 7))  # only rank 0's value is kept
+    with zero3.zero.GatheredParameters([l1.weight]):
+        out["adopted"] = l1.weight.detach().unique().tolist()
+    out["released_after"] = l1.weight.untyped_storage().nbytes()
+    return out
+
+
+def init_misuse_checks(rank: int) -> dict:
+    """Forward and state_dict before initialize; `p.data = t` inside Init."""
+    import zero3
+
+    l1, _ = _two_linears()
+    out = {"forward": _error_of(lambda: l1(torch.ones(1, 10)))}
+    state = l1.state_dict()
+    out["state_dict"] = (state["weight"].device.type, tuple(state["weight"].shape))
+    out["state_dict_read"] = _error_of(lambda: state["weight"].cpu())
+    replacement = torch.full((10, 10), 3.0)
+    with zero3.zero.Init(config_dict_or_path=INIT_CONFIG):
+        layer = nn.Linear(10, 10)
+        layer.weight.data = replacement
+        out["wrong_shape"] = _error_of(lambda: setattr(layer.bias, "data", torch.ones(3)))
+    out["replacement_kept"] = replacement.untyped_storage().nbytes() == 400 and bool((replacement == 3).all())
+    with zero3.zero.GatheredParameters([layer.weight]):
+        out["assigned"] = layer.weight.detach().unique().tolist()
+    return out
+
+
+def engine_checks(rank: int, world: int) -> dict:
+    """Engine paths: a parameter freed behind the engine's back, reuse after sharding."""
+    import zero3
+    from zero3.generation import gathered_for_generation
+
+    model = make_model()
+    engine, *_ = zero3.initialize(model=model, model_parameters=model.parameters(),
+                                  config={**config(2, 1, threshold=30), "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    out = {"engine_state_dict": engine.module.state_dict()["embed.weight"].device.type}
+    out["reuse_sharded"] = _error_of(lambda: zero3.initialize(model=nn.Sequential(engine.module.embed),
+                                                              config=config(2, 1)))
+
+    def build_on_sharded():
+        with zero3.zero.Init(config_dict_or_path=INIT_CONFIG):
+            tied = nn.Linear(13, 24)
+            tied.weight = engine.module.embed.weight
+    out["init_on_sharded"] = _error_of(build_on_sharded)
+    x, y = make_batches(1, 2)[0]
+    engine.backward(engine(x, y))
+    resident = engine.module.head.bias  # 5 elements: persistent, FULL between steps
+    resident.untyped_storage().resize_(0)  # something outside zero3 frees it
+    out["refresh"] = _error_of(engine.step)
+    out["generation"] = _error_of(lambda: gathered_for_generation(engine).__enter__())
+    out["gathered"] = _error_of(lambda: zero3.GatheredParameters([resident]).__enter__())
+    return out
+
+
+def storage_worker(rank: int, world: int) -> dict:
+    return {"gathered": gathered_init_checks(rank), "init": init_misuse_checks(rank),
+            "engine": engine_checks(rank, world)}
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_ranks(storage_worker, 2, timeout=120)
+
+
+def test_gathered_parameters_on_init_model_no_longer_crashes(results):
+    for out in results:
+        checks = out["gathered"]
+        assert checks["unchanged"] == "ok"
+        assert checks["modified"].startswith("GatheredParametersError"), checks["modified"]
+        assert "rank 0" in checks["modified"] and "rank 1" in checks["modified"]
+        assert checks["undone"] is True
+        assert checks["adopted"] == [7.0]
+        assert checks["released_after"] == 0
+
+
+def test_init_model_touched_before_initialize(results):
+    for out in results:
+        checks = out["init"]
+        assert checks["forward"].startswith("ReleasedParameterError"), checks["forward"]
+        assert "zero3.initialize" in checks["forward"] and "'weight'" in checks["forward"]
+        assert checks["state_dict"] == ("meta", (10, 10))
+        assert "meta" in checks["state_dict_read"], checks["state_dict_read"]
+        assert checks["wrong_shape"].startswith("InitError"), checks["wrong_shape"]
+        assert checks["replacement_kept"] is True
+        assert checks["assigned"] == [3.0]
+
+
+def test_engine_paths_refuse_released_storage(results):
+    for out in results:
+        checks = out["engine"]
+        assert checks["engine_state_dict"] == "meta"
+        assert checks["reuse_sharded"].startswith("ReleasedParameterError"), checks["reuse_sharded"]
+        assert checks["init_on_sharded"].startswith("ReleasedParameterError"), checks["init_on_sharded"]
+        assert checks["refresh"].startswith("ReleasedParameterError"), checks["refresh"]
+        assert "'head.bias'" in checks["refresh"]
+        assert checks["generation"].startswith("ReleasedParameterError"), checks["generation"]
+        assert "'head.bias'" in checks["generation"]
+        assert checks["gathered"].startswith("ReleasedParameterError"), checks["gathered"]
