@@ -140,9 +140,39 @@ def full_finetune(folder: Path) -> dict:
             "generated": results["generated"]}
 
 
+def lora_on_init_model(folder: Path) -> dict:
+    """A model loaded inside zero3.zero.Init gets LoRA by SFTTrainer's peft_config= and by
+    PEFT's get_peft_model; both train (2 steps each)."""
+    import trl_sft_lora as E
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+    from trl import SFTTrainer
+
+    import zero3
+    import zero3.hf
+
+    losses = {}
+    for path in ("peft_config", "get_peft_model"):
+        with zero3.zero.Init(config_dict_or_path=E.zero3_config()):
+            model = AutoModelForCausalLM.from_pretrained(folder / "base")
+        extra = {"peft_config": E.lora_config()}
+        if path == "get_peft_model":
+            model, extra = get_peft_model(model, E.lora_config()), {}
+        trainer = zero3.hf.trainer_class(SFTTrainer)(
+            model=model, args=E.sft_config(folder / f"init_{path}", 2), train_dataset=E.make_dataset(),
+            processing_class=E.build_tokenizer(), zero3_config=E.zero3_config(), **extra)
+        log = E.LossLog()
+        trainer.add_callback(log)
+        trainer.train()
+        trainer.zero3_engine.destroy()
+        losses[path] = log.losses
+    return losses
+
+
 def first_launch(rank: int, world: int, folder: str) -> dict:
     folder = Path(folder)
-    return {"sft": sft_run(folder, "sft", None), "full": full_finetune(folder)}
+    return {"sft": sft_run(folder, "sft", None), "full": full_finetune(folder),
+            "init_lora": lora_on_init_model(folder)}
 
 
 def resume_launch(rank: int, world: int, folder: str) -> dict:
@@ -177,6 +207,15 @@ def test_sft_lora_resume_is_exact(runs):
             f"global_step{SAVE_AT}", "adapter_model.safetensors", "adapter_config.json"} <= kept
     logged = [log for log in first[0]["logs"] if "loss" in log]
     assert all(log["grad_norm"] > 0 and "learning_rate" in log for log in logged)
+
+
+def test_lora_on_a_model_loaded_inside_init(runs):
+    for r in runs["first"]:
+        straight = r["sft"]["losses"]
+        # SFTTrainer's peft_config= on the sharded load: the same run as on a plain load
+        assert r["init_lora"]["peft_config"] == {1: straight[1], 2: straight[2]}
+        got = r["init_lora"]["get_peft_model"]
+        assert sorted(got) == [1, 2] and all(0 < v < 10 for v in got.values()), got
 
 
 def test_full_finetune_save_model_evaluate_generate(runs):
