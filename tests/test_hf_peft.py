@@ -199,13 +199,13 @@ def test_init_builds_a_partitioned_llama_that_trains_like_a_normal_build():
         assert r["losses"] == r["plain_losses"], (r["losses"], r["plain_losses"])
 
 
-def build_llama_measured(rank: int, world: int, with_init: bool):
+def build_llama_measured(rank: int, world: int, with_init: bool, pretrained: str | None = None):
     import ctypes
 
     import zero3
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from test_init import M_MMAP_THRESHOLD, peak_rss_while
+    from test_init import M_MMAP_THRESHOLD, peak_anon_while, peak_rss_while
 
     ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, 64 * 1024)
     config = LlamaConfig(vocab_size=8192, hidden_size=512, intermediate_size=1376, num_hidden_layers=4,
@@ -214,13 +214,18 @@ def build_llama_measured(rank: int, world: int, with_init: bool):
     AutoModelForCausalLM.from_config(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
                                                  num_hidden_layers=1, num_attention_heads=2))  # warm imports
 
+    def load():
+        if pretrained is None:
+            return AutoModelForCausalLM.from_config(config)
+        return AutoModelForCausalLM.from_pretrained(pretrained, dtype=torch.float32)
+
     def build():
         if not with_init:
-            return AutoModelForCausalLM.from_config(config)
+            return load()
         with zero3.Init():
-            return AutoModelForCausalLM.from_config(config)
+            return load()
 
-    model, peak = peak_rss_while(build)
+    model, peak = (peak_rss_while if pretrained is None else peak_anon_while)(build)
     numels = [p.numel() for p in model.parameters()]
     return {"peak": peak, "model_bytes": 4 * sum(numels), "largest": 4 * max(numels),
             "storage": sum(p.untyped_storage().nbytes() for p in model.parameters())}
@@ -235,6 +240,25 @@ def test_init_peak_memory_of_a_llama_from_config():
         assert r["storage"] == 0
         assert r["peak"] <= r["model_bytes"] / 2 + r["largest"] + 16 * 2**20, r
         assert r["peak"] < 0.8 * r["model_bytes"], r
+
+
+def test_init_peak_memory_of_a_llama_from_pretrained(tmp_path):
+    """from_pretrained inside zero3.Init: the process's anonymous memory rises by about its
+    shards plus the largest weight, not by the whole model (the safetensors file pages the
+    loader maps are page cache, counted apart)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(vocab_size=8192, hidden_size=512, intermediate_size=1376, num_hidden_layers=4,
+                         num_attention_heads=8, num_key_value_heads=8, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "llama")
+    whole = run_ranks(build_llama_measured, 2, False, str(tmp_path / "llama"), timeout=300, env=ENV)
+    partitioned = run_ranks(build_llama_measured, 2, True, str(tmp_path / "llama"), timeout=300, env=ENV)
+    for r in whole:  # the plain load keeps its weights in the file mapping: little RSS until read
+        assert r["storage"] == r["model_bytes"], r
+    for r in partitioned:
+        assert r["storage"] == 0
+        assert r["peak"] <= r["model_bytes"] / 2 + r["largest"] + 16 * 2**20, (r, [w["peak"] for w in whole])
 
 
 # ------------------------------------------- generation with the weights gathered once

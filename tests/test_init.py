@@ -126,6 +126,33 @@ def peak_rss_while(build) -> tuple[object, int]:
     return value, (_rss_kib("VmHWM:") - before) * 1024
 
 
+def peak_anon_while(build, interval: float = 0.0005) -> tuple[object, int]:
+    """(build(), the rise of this process's anonymous resident memory during it, in bytes,
+    sampled every `interval` seconds). Unlike VmHWM it leaves out file pages mapped from
+    disk (safetensors weights), which the kernel can drop at any time."""
+    import threading
+
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    before = _rss_kib("RssAnon:")
+    peak = [before]
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], _rss_kib("RssAnon:"))
+            done.wait(interval)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        value = build()
+    finally:
+        done.set()
+        sampler.join()
+    peak[0] = max(peak[0], _rss_kib("RssAnon:"))
+    return value, (peak[0] - before) * 1024
+
+
 def build_big(rank: int, world: int, with_init: bool):
     import zero3
 
