@@ -35,6 +35,8 @@ def _case_config(case: str, rank: int) -> dict:
         zero["stage3_prefetch_bucket_size"] = 1000 * (rank + 1)
     elif case == "per_rank_logging":
         cfg["steps_per_print"] = 10 + rank  # may differ: logging only
+    elif case == "unreadable_on_one_rank" and rank == 1:
+        return "/nonexistent/ds_config.json"  # a path missing on one machine
     return cfg
 
 
@@ -52,10 +54,11 @@ def _initialize(case: str, rank: int):
 
 
 CASES = ["gradient_clipping", "config_lr", "client_lr", "persistence_threshold", "gradient_accumulation_steps",
-         "prefetch", "shape", "requires_grad", "per_rank_logging"]
+         "prefetch", "shape", "requires_grad", "per_rank_logging", "unreadable_on_one_rank"]
 
 
 def ranks_worker(rank: int, world: int) -> dict:
+    from zero3.config import ConfigError
     from zero3.rank_agreement import RankMismatchError
 
     out = {}
@@ -63,8 +66,8 @@ def ranks_worker(rank: int, world: int) -> dict:
         started = time.monotonic()
         try:
             engine = _initialize(case, rank)
-        except RankMismatchError as exc:
-            out[case] = (str(exc), time.monotonic() - started)
+        except (RankMismatchError, ConfigError, FileNotFoundError) as exc:
+            out[case] = (f"{type(exc).__name__}: {exc}", time.monotonic() - started)
             continue
         x, y = make_batches(2, 2)[rank]
         engine.backward(engine(x, y))
@@ -90,6 +93,16 @@ EXPECTED = {
     "requires_grad": ["param blocks.1.linear.weight", "requires_grad=False", "requires_grad=True",
                       "param blocks.2.linear.weight"],
 }
+
+
+def test_a_config_unreadable_on_one_rank_fails_on_every_rank(results):
+    """Rank 1's config path does not exist: rank 1 raises its own error, rank 0 a
+    ConfigError naming rank 1, both at once (no wait for the collective timeout)."""
+    messages = [out["unreadable_on_one_rank"] for out in results]
+    for rank, (message, seconds) in enumerate(messages):
+        assert "/nonexistent/ds_config.json" in message, (rank, message)
+        assert seconds < 20, (rank, seconds)
+    assert messages[0][0].startswith("ConfigError") and "rank 1" in messages[0][0], messages[0]
 
 
 @pytest.mark.parametrize("case", sorted(EXPECTED))

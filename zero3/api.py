@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from .accelerator import get_accelerator, local_rank
-from .config import from_deepspeed
+from .config import ConfigError, Zero3Config, from_deepspeed
 from .distributed import init_distributed, register_exit_teardown
 from .engine import Engine
 
@@ -36,7 +36,7 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     accelerator = get_accelerator()
     if accelerator.device_name() == "cuda" and "LOCAL_RANK" in os.environ:
         accelerator.set_device(local_rank())
-    parsed = from_deepspeed(config, world_size=world_size)
+    parsed = _parse_on_every_rank(config, world_size)
     engine = Engine(model, parsed, optimizer=optimizer, model_parameters=model_parameters,
                     lr_scheduler=lr_scheduler)
     dataloader = None
@@ -45,6 +45,27 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
                                  parsed.dataloader_drop_last)
     client_optimizer = engine.optimizer.optimizer if engine.optimizer is not None else None
     return engine, client_optimizer, dataloader, engine.lr_scheduler
+
+
+def _parse_on_every_rank(config: Any, world_size: int) -> Zero3Config:
+    """The config, parsed on each rank; one rank's failure (a file missing on one machine, a
+    key it refuses) is raised on every rank, here, before any other collective would wait
+    for the failed rank. One small all-gather when the world has more than one rank."""
+    try:
+        parsed, problem = from_deepspeed(config, world_size=world_size), None
+    except Exception as exc:  # noqa: BLE001 - re-raised below, on this rank as it was
+        parsed, problem = None, exc
+    if world_size > 1:
+        reports: list = [None] * world_size
+        dist.all_gather_object(reports, None if problem is None else f"{type(problem).__name__}: {problem}")
+        failed = {rank: report for rank, report in enumerate(reports) if report is not None}
+        if failed and problem is None:
+            raise ConfigError("zero3.initialize: the config could not be read on "
+                              + "; ".join(f"rank {rank} ({report})" for rank, report in failed.items())
+                              + "; every rank must be given a readable, valid config")
+    if problem is not None:
+        raise problem
+    return parsed
 
 
 def _dataloader(dataset, micro_batch: int, collate_fn, drop_last: bool):
