@@ -30,7 +30,7 @@ from .optimizers import build_optimizer, build_scheduler
 from .param_status import mark_managed
 from .partition import ParamState, ShardedParam
 from .reduce import GradReducer
-from .released import guard_state_dict, refuse_released
+from .released import guard_state_dict, refuse_released, release_storage, unseal
 from .schedule import PrefetchPolicy
 from .units import choose_persistent
 from .wire import gather_rows, group_by_dtype
@@ -88,8 +88,9 @@ def claim_init_shards(model: nn.Module, device: torch.device, compute_dtype: tor
                 f"{comm.world_size}; build the model and the engine in the same process group")
         dtype = compute_dtype if p.is_floating_point() else p.dtype
         if p.device != device or p.dtype != dtype:
+            unseal(p)
             p.data = torch.empty(p.shape, dtype=dtype, device=device)
-            p.untyped_storage().resize_(0)
+            release_storage(p)
         shards[p] = record.shard.to(dtype)
     return shards
 

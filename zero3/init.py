@@ -46,7 +46,16 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .accelerator import get_accelerator
 from .comm import Communicator
 from .partition import owned_range, shard_numel_for
-from .released import ReleasedParameterError, describe, guard_state_dict, is_released, refuse_released
+from .released import (
+    METADATA_METHODS,
+    ReleasedParameterError,
+    describe,
+    guard_state_dict,
+    is_released,
+    refuse_released,
+    release_storage,
+    restore_storage,
+)
 from .wire import gather_rows
 
 
@@ -85,14 +94,6 @@ def claim_init_shard(param: torch.Tensor) -> InitShard | None:
     return _registry.pop(param, None)
 
 
-# Tensor methods and attributes that read metadata only: they never gather.
-_METADATA_METHODS = frozenset({
-    "numel", "nelement", "dim", "size", "stride", "is_floating_point", "is_complex", "element_size",
-    "is_contiguous", "requires_grad_", "untyped_storage", "data_ptr", "storage_offset", "get_device",
-    "__hash__", "__len__", "type", "is_pinned", "is_shared",
-})
-
-
 # Calls that write every value of their first argument without reading it: a partitioned
 # parameter there needs its storage back, not its values (no gather).
 _OVERWRITES_FIRST_ARGUMENT = frozenset({
@@ -126,7 +127,7 @@ def _touches_values(func: Any) -> bool:
     owner = getattr(func, "__self__", None)
     if type(owner).__name__ == "getset_descriptor":  # an attribute: only `.data` aliases values
         return getattr(owner, "__name__", "") == "data"
-    return getattr(func, "__name__", "") not in _METADATA_METHODS
+    return getattr(func, "__name__", "") not in METADATA_METHODS
 
 
 _forward_guarded: WeakIdKeyDictionary = WeakIdKeyDictionary()  # module -> hook handle
@@ -310,7 +311,7 @@ class Init:
             self.comm.broadcast(full, src=0)
             _registry[param] = InitShard(self._slice(full), param.numel(), self.comm.world_size, self.comm.rank)
             param.data = full
-            param.untyped_storage().resize_(0)
+            release_storage(param)
 
     def assign_data(self, param: nn.Parameter, value: torch.Tensor) -> None:
         """`param.data = value` on a partitioned parameter: `value`'s values are copied into
@@ -351,7 +352,7 @@ class Init:
             if key in self._materialized:
                 continue
             record = _registry[param]
-            param.untyped_storage().resize_(param.numel() * param.element_size())
+            restore_storage(param)
             self._materialized[key] = param
             if param is overwritten:
                 continue
@@ -386,7 +387,7 @@ class Init:
             full = param.data.contiguous()
             self.comm.broadcast(full, src=0)
             self._copy_slice_into(full, record.shard)
-        param.untyped_storage().resize_(0)
+        release_storage(param)
 
     # ---------------------------------------------------------------- helpers
     @contextlib.contextmanager

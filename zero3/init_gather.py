@@ -19,7 +19,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .comm import Communicator
 from .init import InitShard, init_shard_of
 from .partition import owned_range
-from .released import describe
+from .released import describe, release_storage, restore_storage
 from .wire import gather_rows
 
 _holds: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter -> open GatheredParameters on it
@@ -56,12 +56,12 @@ class InitGather:
                 _holds[param] -= 1
                 if _holds[param] == 0:
                     del _holds[param]
-                    param.untyped_storage().resize_(0)
+                    release_storage(param)
         self._snapshots.clear()
         return changed_by_rank if raise_on_change else []
 
     def _gather(self, param: torch.Tensor, record: InitShard) -> None:
-        param.untyped_storage().resize_(param.numel() * param.element_size())
+        restore_storage(param)
         rows = gather_rows(self.comm, record.shard, param.device).view(-1)
         with torch.autograd._unsafe_preserve_version_counter(param):
             param.data.view(-1).copy_(rows[: param.numel()])

@@ -19,6 +19,7 @@ from torch import nn
 
 from .gathered import engine_of
 from .partition import ParamState
+from .released import plain_class, set_plain_class
 
 
 class ZeroParamStatus(enum.Enum):
@@ -55,5 +56,5 @@ class ZeroParameter(nn.Parameter):
 
 def mark_managed(param: nn.Parameter) -> None:
     """Give a plain nn.Parameter the read-only DeepSpeed status properties."""
-    if type(param) is nn.Parameter:
-        param.__class__ = ZeroParameter
+    if plain_class(param) is nn.Parameter:
+        set_plain_class(param, ZeroParameter)

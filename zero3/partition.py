@@ -9,7 +9,8 @@ Memory ownership:
   persistent copy of this rank's slice of the parameter's values.
 - The `nn.Parameter`'s own storage holds the full values only while the state is FULL.
   In SHARDED its storage is resized to zero bytes, but the tensor keeps its shape, dtype
-  and device, so `p.shape`, `p.numel()` and `p.dtype` stay honest.
+  and device, so `p.shape`, `p.numel()` and `p.dtype` stay honest; it is sealed
+  (released.py), so code outside zero3 that touches its values gets a named error.
 - `grad_shard` (fp32, same device as the optimizer's master) accumulates this rank's
   slice of the averaged gradient; it is owned here and handed to the optimizer.
 
@@ -29,7 +30,7 @@ import math
 
 import torch
 
-from .released import refuse_released
+from .released import refuse_released, release_storage, restore_storage
 
 
 class ParamState(enum.Enum):
@@ -128,7 +129,7 @@ class ShardedParam:
         self._expect(ParamState.FULL, "release")
         if self.persistent:
             raise StateError(f"release({self.name}): persistent parameters stay full")
-        self.param.untyped_storage().resize_(0)
+        release_storage(self.param)
         self.state = ParamState.SHARDED
 
     def alias_shard(self) -> None:
@@ -147,7 +148,7 @@ class ShardedParam:
     def begin_gather(self) -> None:
         """SHARDED -> GATHERING: allocate the full storage back (values not yet valid)."""
         self._expect(ParamState.SHARDED, "begin_gather")
-        self.param.untyped_storage().resize_(self.numel * self.param.element_size())
+        restore_storage(self.param)
         self.state = ParamState.GATHERING
 
     def finish_gather(self, rows: torch.Tensor) -> None:

@@ -2,18 +2,35 @@
 
 zero3 frees a sharded parameter's storage (`untyped_storage().resize_(0)`) and keeps its
 shape, dtype and device. Many torch kernels do not check the storage size before they
-read or write, so touching such a tensor's values outside zero3's control would read or
-write freed memory (a segmentation fault at best). Every zero3 path that could touch a
-released storage checks first, through `refuse_released`, and raises
-`ReleasedParameterError` naming what was touched and how to reach the values instead.
+read or write (`add_`, `sum`, `clone`, `copy_` ...), so touching such a tensor's values
+would read or write freed memory: a segmentation fault at best.
+
+Two guards make every such touch fail loudly with `ReleasedParameterError`:
+
+- zero3's own paths check first, through `refuse_released`.
+- Any other code (user code between steps, a library, `model.to(dtype)`, `copy.deepcopy`,
+  `load_state_dict`) meets the parameter *sealed*: `release_storage` frees the storage
+  and gives the parameter a sealed class, a subclass of its own class (so `isinstance`
+  and the DeepSpeed status properties stay) whose `__torch_function__` lets metadata
+  through (`shape`, `dtype`, `numel()`, `requires_grad`, hooks, a `.to()` that changes
+  nothing) and refuses anything that reads or writes values, naming the call and the
+  parameter. An alias taken while sealed (`p.data`, `p.detach()`) is sealed too, and
+  checks the storage at each call, so it works again once the values are back.
+  `restore_storage` gives the plain class back before the storage is re-allocated, so a
+  gathered parameter pays nothing. This is torch's own pattern for lazy parameters
+  (`UninitializedParameter` changes `__class__` when materialized); nothing is stored
+  on the parameter.
 
 Nothing here holds memory: the checks read metadata only.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 from torch.utils.weak import WeakIdKeyDictionary
 
 _state_dict_guarded: WeakIdKeyDictionary = WeakIdKeyDictionary()  # module -> hook handle
@@ -68,3 +85,188 @@ def _meta_for_released(module: nn.Module, state_dict: dict, prefix: str, local_m
         if param is None or value is None or value is param or not is_released(value):
             continue
         state_dict[key] = torch.empty(value.shape, dtype=value.dtype, device="meta")
+
+
+# ------------------------------------------------------------------ sealing
+# Tensor methods that read metadata only (never values): allowed on a released tensor.
+METADATA_METHODS = frozenset({
+    "numel", "nelement", "dim", "ndimension", "size", "stride", "is_floating_point", "is_complex",
+    "element_size", "is_contiguous", "requires_grad_", "untyped_storage", "data_ptr", "storage_offset",
+    "get_device", "__hash__", "__len__", "type", "is_pinned", "is_shared", "is_inference",
+    "is_signed", "_is_view", "__dir__",
+})
+
+# Calls a sealed tensor lets through beyond METADATA_METHODS: they give an alias or
+# register a hook, touching no values; an alias that comes out released is sealed too.
+_ALIAS_OR_HOOK = frozenset({
+    "detach", "register_hook", "register_post_accumulate_grad_hook", "retain_grad",
+    "_has_compatible_shallow_copy_type",
+})
+
+# Attributes that compute a new view of the values (`p.T`): refused like any view.
+_VIEW_ATTRIBUTES = frozenset({"T", "mT", "H", "mH", "real", "imag"})
+
+_CONVERSIONS = {"float": torch.float32, "double": torch.float64, "half": torch.float16,
+                "bfloat16": torch.bfloat16}
+
+_sealed_classes: dict[type, type] = {}
+
+
+class _Sealed:
+    """Mixin of the classes a released tensor wears (see the module docstring). Its
+    `_plain_class` (a class attribute) is the class the tensor had before."""
+
+    _plain_class: type = torch.Tensor
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        with torch._C.DisableTorchFunctionSubclass():
+            return _call_sealed(func, args, kwargs or {})
+
+    def __repr__(self, *args: Any, **kwargs: Any) -> str:
+        with torch._C.DisableTorchFunctionSubclass():
+            if not is_released(self):
+                return torch.Tensor.__repr__(self, *args, **kwargs)
+            shape = "x".join(str(s) for s in self.shape)
+            return (f"{self._plain_class.__name__}(sharded by zero3: shape {shape}, {self.dtype}, "
+                    f"{self.device}; this rank holds only its shard)")
+
+    def __format__(self, spec: str) -> str:
+        with torch._C.DisableTorchFunctionSubclass():
+            if is_released(self):
+                return format(repr(self), spec)
+        return super().__format__(spec)
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        _refuse_sealed_copy(self, "copy.deepcopy")
+        return super().__deepcopy__(memo)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        _refuse_sealed_copy(self, "pickling (torch.save, copy.deepcopy, multiprocessing)")
+        return super().__reduce_ex__(protocol)
+
+
+class ReleasedTensor(_Sealed, torch.Tensor):
+    """An alias (`p.data`, `p.detach()`) taken of a sealed parameter."""
+
+
+def _refuse_sealed_copy(tensor: torch.Tensor, what: str) -> None:
+    with torch._C.DisableTorchFunctionSubclass():
+        refuse_released(tensor, what, fix=HOW_TO_REACH_VALUES + "; to copy the whole model, export it "
+                        "(engine.save_16bit_model or zero3.export.consolidated_state_dict) and load that")
+
+
+def sealed_class_for(cls: type) -> type:
+    """The sealed subclass of tensor class `cls` (made once per class)."""
+    if issubclass(cls, _Sealed):
+        return cls
+    if cls not in _sealed_classes:
+        _sealed_classes[cls] = type(f"Sharded{cls.__name__}", (_Sealed, cls), {"_plain_class": cls,
+                                                                             "__module__": __name__})
+    return _sealed_classes[cls]
+
+
+def is_sealed(tensor: torch.Tensor) -> bool:
+    return isinstance(tensor, _Sealed)
+
+
+def plain_class(tensor: torch.Tensor) -> type:
+    """The class `tensor` has when its values are present."""
+    return type(tensor)._plain_class if is_sealed(tensor) else type(tensor)
+
+
+def set_plain_class(tensor: torch.Tensor, cls: type) -> None:
+    """Give `tensor` the class `cls` when unsealed (and its sealed subclass while sealed)."""
+    tensor.__class__ = sealed_class_for(cls) if is_sealed(tensor) else cls
+
+
+def seal(tensor: torch.Tensor) -> None:
+    if not is_sealed(tensor):
+        tensor.__class__ = sealed_class_for(type(tensor))
+
+
+def unseal(tensor: torch.Tensor) -> None:
+    if is_sealed(tensor):
+        tensor.__class__ = type(tensor)._plain_class
+
+
+def release_storage(param: torch.Tensor) -> None:
+    """Free `param`'s storage (its shape, dtype and device stay) and seal it."""
+    param.untyped_storage().resize_(0)
+    seal(param)
+
+
+def restore_storage(param: torch.Tensor) -> None:
+    """Unseal `param` and give it a storage for its full values again (not yet written)."""
+    unseal(param)
+    param.untyped_storage().resize_(param.numel() * param.element_size())
+
+
+def _call_sealed(func: Any, args: tuple, kwargs: dict) -> Any:
+    """Run `func` for a call involving a sealed tensor, or refuse it. Runs with subclass
+    dispatch disabled, so metadata reads here do not come back."""
+    released = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and is_released(t)]
+    if not released:  # a sealed alias whose parameter is gathered again: plain behaviour
+        return func(*args, **kwargs)
+    if _is_metadata(func, args, kwargs):
+        return _seal_released(func(*args, **kwargs))
+    if _changes_nothing(func, args, kwargs):
+        return args[0]
+    raise ReleasedParameterError(
+        f"{_call_name(func)} on {describe(released[0])}: it is sharded by zero3 (its storage is released), "
+        f"so its values are not on this rank; {HOW_TO_REACH_VALUES}"
+    )
+
+
+def _is_metadata(func: Any, args: tuple, kwargs: dict) -> bool:
+    owner = getattr(func, "__self__", None)
+    name = getattr(func, "__name__", "")
+    if type(owner).__name__ == "getset_descriptor":  # an attribute read or write
+        if name == "__set__" and owner.__name__ == "data":
+            return len(args) > 1 and args[1] is args[0]  # `p.data = p`, as module.to() does
+        return owner.__name__ not in _VIEW_ATTRIBUTES
+    if name == "type":
+        return len(args) == 1 and not kwargs  # `p.type()` names the type; with a type it converts
+    return name in METADATA_METHODS or name in _ALIAS_OR_HOOK
+
+
+def _changes_nothing(func: Any, args: tuple, kwargs: dict) -> bool:
+    """A conversion to the dtype and device the tensor has already (torch returns the tensor itself)."""
+    name = getattr(func, "__name__", "")
+    if not args or not isinstance(args[0], torch.Tensor) or kwargs.get("copy"):
+        return False
+    tensor = args[0]
+    if name in _CONVERSIONS:
+        return not args[1:] and _CONVERSIONS[name] == tensor.dtype
+    if name == "cpu":
+        return tensor.device.type == "cpu"
+    if name != "to":
+        return False
+    try:
+        device, dtype, _, memory_format = torch._C._nn._parse_to(*args[1:], **kwargs)
+    except (TypeError, RuntimeError):
+        return False
+    return ((device is None or _same_device(torch.device(device), tensor.device))
+            and (dtype is None or dtype == tensor.dtype)
+            and memory_format in (None, torch.preserve_format))
+
+
+def _same_device(wanted: torch.device, have: torch.device) -> bool:
+    return wanted.type == have.type and (wanted.index is None or wanted.index == have.index)
+
+
+def _seal_released(result: Any) -> Any:
+    """Seal each released tensor in `result` (an alias of a sealed tensor)."""
+    def seal_one(t: Any) -> Any:
+        if isinstance(t, torch.Tensor) and not is_sealed(t) and is_released(t):
+            return t.as_subclass(ReleasedTensor)
+        return t
+    return pytree.tree_map(seal_one, result)
+
+
+def _call_name(func: Any) -> str:
+    owner = getattr(func, "__self__", None)
+    if type(owner).__name__ == "getset_descriptor":
+        verb = "reading" if getattr(func, "__name__", "") == "__get__" else "assigning"
+        return f"{verb} `.{owner.__name__}`"
+    return f"`{getattr(func, '__qualname__', None) or getattr(func, '__name__', repr(func))}`"
