@@ -8,6 +8,8 @@ class name (or the observed values) and the test asserts them on both ranks.
 
 from __future__ import annotations
 
+import copy
+import io
 import os
 
 import pytest
@@ -114,9 +116,99 @@ def engine_checks(rank: int, world: int) -> dict:
     return out
 
 
+def _user_touches(model: nn.Module, param: nn.Parameter) -> dict:
+    """What user code between steps might do to a sharded parameter: each must raise."""
+    full = {k: torch.zeros(v.shape) for k, v in model.state_dict().items()}
+    calls = {
+        "sum": lambda: param.sum(),
+        "clone": lambda: param.clone(),
+        "add_": lambda: param.add_(0.0),
+        "copy_": lambda: param.copy_(torch.zeros(param.shape)),
+        "mul": lambda: param * 2,
+        "data_norm": lambda: param.data.norm(),
+        "detach_clone": lambda: param.detach().clone(),
+        "transpose_attr": lambda: param.T.sum(),
+        "view": lambda: param.view(-1),
+        "index": lambda: param[0],
+        "tolist": lambda: param.tolist(),
+        "numpy": lambda: param.numpy(),
+        "ema": lambda: torch.zeros(param.shape).mul_(0.9).add_(param),
+        "to_vector": lambda: torch.nn.utils.parameters_to_vector(model.parameters()),
+        "torch_save": lambda: torch.save(param, io.BytesIO()),
+        "deepcopy": lambda: copy.deepcopy(model),
+        "half": lambda: model.half(),
+        "load_state_dict": lambda: model.load_state_dict(full),
+    }
+    out = {}
+    with torch.no_grad():
+        for key, call in calls.items():
+            out[key] = _error_of(call)
+    return out
+
+
+def _metadata_of(model: nn.Module, param: nn.Parameter) -> dict:
+    """What must keep working on a sharded parameter: metadata, no-op moves, printing."""
+    model.to(param.device)
+    model.to(torch.float32)
+    model.zero_grad()
+    alias = param.data
+    return {"shape": tuple(param.shape), "dtype": str(param.dtype), "numel": param.numel(),
+            "requires_grad": param.requires_grad, "is_parameter": isinstance(param, nn.Parameter),
+            "repr": repr(param), "format": f"{param}", "alias_shape": tuple(alias.shape),
+            "same_object": model.to("cpu") is model}
+
+
+def _full_values(model: nn.Module) -> dict[str, torch.Tensor]:
+    import zero3
+
+    with zero3.GatheredParameters(list(model.parameters())):
+        return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def direct_touch_checks(rank: int, world: int) -> dict:
+    """User code touching sharded parameters directly, outside the engine's paths."""
+    import zero3
+
+    model = make_model()
+    engine, *_ = zero3.initialize(model=model, model_parameters=model.parameters(),
+                                  config={**config(2, 1, threshold=30), "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    batches = make_batches(3, 2)
+    x, y = batches[0]
+    engine.backward(engine(x, y))
+    engine.step()
+    weight = engine.module.embed.weight  # 312 elements: sharded between steps
+    before = _full_values(engine.module)
+    alias = weight.data
+    out = {"touches": _user_touches(engine.module, weight), "metadata": _metadata_of(engine.module, weight),
+           "status": weight.ds_status.name}
+    after = _full_values(engine.module)
+    out["values_kept"] = sorted(before) == sorted(after) and all(torch.equal(before[k], after[k]) for k in before)
+    with zero3.GatheredParameters([weight]):
+        out["gathered_sum"] = float(weight.detach().sum())
+        out["alias_sum_while_gathered"] = float(alias.sum())
+    out["expected_sum"] = float(before["embed.weight"].sum())
+    out["sealed_again"] = _error_of(lambda: alias.sum())
+    losses = []
+    for x, y in batches[1:]:
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss))
+    out["losses"] = losses
+
+    l1, _ = _two_linears()  # zero3.Init, before initialize
+    out["init_touches"] = {"add_": _error_of(lambda: l1.weight.data.add_(1.0)),
+                           "sum": _error_of(lambda: l1.weight.sum()),
+                           "to_half": _error_of(lambda: l1.to(torch.float16)),
+                           "to_same": _error_of(lambda: l1.to("cpu"))}
+    with zero3.zero.GatheredParameters([l1.weight]):
+        out["init_gathered"] = float(l1.weight.detach().sum())
+    return out
+
+
 def storage_worker(rank: int, world: int) -> dict:
     return {"gathered": gathered_init_checks(rank), "init": init_misuse_checks(rank),
-            "engine": engine_checks(rank, world)}
+            "engine": engine_checks(rank, world), "direct": direct_touch_checks(rank, world)}
 
 
 @pytest.fixture(scope="module")
@@ -158,3 +250,45 @@ def test_engine_paths_refuse_released_storage(results):
         assert checks["generation"].startswith("ReleasedParameterError"), checks["generation"]
         assert "'head.bias'" in checks["generation"]
         assert checks["gathered"].startswith("ReleasedParameterError"), checks["gathered"]
+
+
+def test_user_code_touching_a_sharded_parameter_gets_a_named_error(results):
+    for out in results:
+        checks = out["direct"]
+        for call, error in checks["touches"].items():
+            assert error.startswith("ReleasedParameterError"), (call, error)
+        assert "'embed.weight'" in checks["touches"]["sum"], checks["touches"]["sum"]
+        assert "GatheredParameters" in checks["touches"]["add_"]
+        assert "nothing was loaded" in checks["touches"]["load_state_dict"]
+        assert "deepcopy" in checks["touches"]["deepcopy"] and "pickling" in checks["touches"]["torch_save"]
+        assert checks["values_kept"] is True
+        assert checks["status"] == "NOT_AVAILABLE"
+
+
+def test_metadata_and_no_op_moves_of_a_sharded_parameter_still_work(results):
+    for out in results:
+        meta = out["direct"]["metadata"]
+        assert meta["shape"] == (24, 13) and meta["dtype"] == "torch.float32" and meta["numel"] == 312
+        assert meta["requires_grad"] is True and meta["is_parameter"] is True
+        assert "sharded by zero3" in meta["repr"] and "sharded by zero3" in meta["format"]
+        assert meta["alias_shape"] == (24, 13) and meta["same_object"] is True
+
+
+def test_values_come_back_inside_gathered_parameters_and_training_goes_on(results):
+    first, second = results
+    for out in results:
+        checks = out["direct"]
+        assert checks["gathered_sum"] == pytest.approx(checks["expected_sum"], rel=1e-6)
+        assert checks["alias_sum_while_gathered"] == checks["gathered_sum"]
+        assert checks["sealed_again"].startswith("ReleasedParameterError"), checks["sealed_again"]
+        assert len(checks["losses"]) == 2 and all(loss == loss for loss in checks["losses"])
+    assert first["direct"]["losses"] != [] and first["direct"]["expected_sum"] == second["direct"]["expected_sum"]
+
+
+def test_init_parameters_touched_before_initialize_get_a_named_error(results):
+    for out in results:
+        touches = out["direct"]["init_touches"]
+        for call in ("add_", "sum", "to_half"):
+            assert touches[call].startswith("ReleasedParameterError"), (call, touches[call])
+        assert touches["to_same"] == "no error"
+        assert out["direct"]["init_gathered"] == out["direct"]["init_gathered"]  # a number, gathered

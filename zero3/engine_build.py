@@ -30,7 +30,7 @@ from .optimizers import build_optimizer, build_scheduler
 from .param_status import mark_managed
 from .partition import ParamState, ShardedParam
 from .reduce import GradReducer
-from .released import guard_state_dict, refuse_released, release_storage, unseal
+from .released import guard_load_state_dict, guard_state_dict, refuse_released, release_storage, unseal
 from .schedule import PrefetchPolicy
 from .units import choose_persistent
 from .wire import gather_rows, group_by_dtype
@@ -68,6 +68,7 @@ def prepare_module(model: nn.Module, device: torch.device, compute_dtype: torch.
     built_full = [p for p in model.parameters() if p not in init_shards]
     for module in model.modules():
         guard_state_dict(module)  # module.state_dict() outside GatheredParameters: meta, not freed memory
+        guard_load_state_dict(module)  # module.load_state_dict() into sharded parameters: refused whole
     broadcast_from_rank0(comm, built_full + list(model.buffers()))  # Init's shards are rank 0's already
     return init_shards
 

@@ -129,7 +129,7 @@ class ShardedParam:
         self._expect(ParamState.FULL, "release")
         if self.persistent:
             raise StateError(f"release({self.name}): persistent parameters stay full")
-        release_storage(self.param)
+        release_storage(self.param, self.name)
         self.state = ParamState.SHARDED
 
     def alias_shard(self) -> None:

@@ -33,7 +33,8 @@ from torch import nn
 from torch.utils import _pytree as pytree
 from torch.utils.weak import WeakIdKeyDictionary
 
-_state_dict_guarded: WeakIdKeyDictionary = WeakIdKeyDictionary()  # module -> hook handle
+_state_dict_guarded: WeakIdKeyDictionary = WeakIdKeyDictionary()  # module -> state_dict hook handle
+_load_guarded: WeakIdKeyDictionary = WeakIdKeyDictionary()  # module -> load_state_dict hook handle
 
 HOW_TO_REACH_VALUES = (
     "read or change its values inside `with zero3.GatheredParameters(params, modifier_rank=...)`, "
@@ -78,6 +79,28 @@ def guard_state_dict(module: nn.Module) -> None:
         _state_dict_guarded[module] = module.register_state_dict_post_hook(_meta_for_released)
 
 
+def guard_load_state_dict(module: nn.Module) -> None:
+    """`module.load_state_dict(sd)` that would write a released parameter is refused
+    before anything is written (the first module loaded checks its whole subtree), so a
+    refused load leaves every value as it was. For an engine's model; inside zero3.Init
+    a load writes partitioned parameters through the context instead. Idempotent."""
+    if module not in _load_guarded:
+        _load_guarded[module] = module.register_load_state_dict_pre_hook(_refuse_load_into_released)
+
+
+def _refuse_load_into_released(module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+    released = [prefix + name for name, param in module.named_parameters()
+                if prefix + name in state_dict and is_released(param)]
+    if released:
+        shown = ", ".join(repr(name) for name in released[:4]) + (", ..." if len(released) > 4 else "")
+        raise ReleasedParameterError(
+            f"load_state_dict into parameters sharded by zero3 ({shown}; {len(released)} in all): their values "
+            "are not on this rank, and nothing was loaded. Load inside `with zero3.GatheredParameters("
+            "list(model.parameters()), modifier_rank=0):` on every rank (rank 0's values are kept), or "
+            "resume with engine.load_checkpoint"
+        )
+
+
 def _meta_for_released(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
     for name, param in module._parameters.items():
         key = prefix + name
@@ -110,6 +133,7 @@ _CONVERSIONS = {"float": torch.float32, "double": torch.float64, "half": torch.f
                 "bfloat16": torch.bfloat16}
 
 _sealed_classes: dict[type, type] = {}
+_names: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter -> its name in the model, for errors
 
 
 class _Sealed:
@@ -190,10 +214,13 @@ def unseal(tensor: torch.Tensor) -> None:
         tensor.__class__ = type(tensor)._plain_class
 
 
-def release_storage(param: torch.Tensor) -> None:
-    """Free `param`'s storage (its shape, dtype and device stay) and seal it."""
+def release_storage(param: torch.Tensor, name: str | None = None) -> None:
+    """Free `param`'s storage (its shape, dtype and device stay) and seal it; `name`
+    (its name in the model) is used in the errors a sealed call raises."""
     param.untyped_storage().resize_(0)
     seal(param)
+    if name is not None and _names.get(param) != name:
+        _names[param] = name
 
 
 def restore_storage(param: torch.Tensor) -> None:
@@ -213,7 +240,7 @@ def _call_sealed(func: Any, args: tuple, kwargs: dict) -> Any:
     if _changes_nothing(func, args, kwargs):
         return args[0]
     raise ReleasedParameterError(
-        f"{_call_name(func)} on {describe(released[0])}: it is sharded by zero3 (its storage is released), "
+        f"{_call_name(func)} on {describe(released[0], _names.get(released[0]))}: it is sharded by zero3 (its storage is released), "
         f"so its values are not on this rank; {HOW_TO_REACH_VALUES}"
     )
 
