@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,6 +56,7 @@ from .released import (
     refuse_released,
     release_storage,
     restore_storage,
+    seal,
 )
 from .wire import gather_rows
 
@@ -225,6 +227,7 @@ class Init:
         self.pin_memory = pin_memory or settings.get("pin_memory", False)
         self._pending: list[nn.Parameter] = []  # registered, not yet partitioned
         self._materialized: dict[int, nn.Parameter] = {}
+        self._aliases: dict[int, list[weakref.ref]] = {}  # id(materialized param) -> tensors on its storage
         self._handles: list[Any] = []
         self._mode: _MaterializeOnUse | None = None
         self.busy = False  # inside a transition: its own tensor ops must not gather
@@ -371,8 +374,9 @@ class Init:
                 if id(param) not in self._materialized:
                     continue
                 where = param.untyped_storage().data_ptr()
-                aliased = any(t is not param and t.untyped_storage().data_ptr() == where for t in outputs)
-                if not aliased:
+                aliases = [t for t in outputs if t is not param and t.untyped_storage().data_ptr() == where]
+                self._aliases.setdefault(id(param), []).extend(weakref.ref(t) for t in aliases)
+                if not aliases:
                     self._settle(self._materialized.pop(id(param)))
 
     def settle_all(self) -> None:
@@ -388,6 +392,9 @@ class Init:
             self.comm.broadcast(full, src=0)
             self._copy_slice_into(full, record.shard)
         release_storage(param)
+        for alias in self._aliases.pop(id(param), []):
+            if alias() is not None:
+                seal(alias())  # a view or `.data` the caller kept: its values are gone now too
 
     # ---------------------------------------------------------------- helpers
     @contextlib.contextmanager
