@@ -30,7 +30,7 @@ import math
 
 import torch
 
-from .released import refuse_released, release_storage, restore_storage
+from .released import name_for_errors, refuse_released, release_storage, restore_storage
 
 
 class ParamState(enum.Enum):
@@ -62,6 +62,7 @@ class ShardedParam:
         Otherwise the parameter is FULL and its local slice is copied out of it."""
         self.param = param
         self.name = name
+        name_for_errors(param, name)
         self.rank = rank
         self.world_size = world_size
         self.numel = param.numel()
@@ -129,7 +130,7 @@ class ShardedParam:
         self._expect(ParamState.FULL, "release")
         if self.persistent:
             raise StateError(f"release({self.name}): persistent parameters stay full")
-        release_storage(self.param, self.name)
+        release_storage(self.param)
         self.state = ParamState.SHARDED
 
     def alias_shard(self) -> None:

@@ -214,13 +214,15 @@ def unseal(tensor: torch.Tensor) -> None:
         tensor.__class__ = type(tensor)._plain_class
 
 
-def release_storage(param: torch.Tensor, name: str | None = None) -> None:
-    """Free `param`'s storage (its shape, dtype and device stay) and seal it; `name`
-    (its name in the model) is used in the errors a sealed call raises."""
+def name_for_errors(param: torch.Tensor, name: str) -> None:
+    """`name` (the parameter's name in the model) is used in the errors a sealed call raises."""
+    _names[param] = name
+
+
+def release_storage(param: torch.Tensor) -> None:
+    """Free `param`'s storage (its shape, dtype and device stay) and seal it."""
     param.untyped_storage().resize_(0)
     seal(param)
-    if name is not None and _names.get(param) != name:
-        _names[param] = name
 
 
 def restore_storage(param: torch.Tensor) -> None:
