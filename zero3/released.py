@@ -241,9 +241,10 @@ def _call_sealed(func: Any, args: tuple, kwargs: dict) -> Any:
         return _seal_released(func(*args, **kwargs))
     if _changes_nothing(func, args, kwargs):
         return args[0]
+    what = describe(released[0], _names.get(released[0]))
     raise ReleasedParameterError(
-        f"{_call_name(func)} on {describe(released[0], _names.get(released[0]))}: it is sharded by zero3 (its storage is released), "
-        f"so its values are not on this rank; {HOW_TO_REACH_VALUES}"
+        f"{_call_name(func)} on {what}: it is sharded by zero3 (its storage is released), so its values "
+        f"are not on this rank; {HOW_TO_REACH_VALUES}"
     )
 
 
