@@ -214,3 +214,34 @@ def test_pytree_and_foreach_and_incompatible_keys():
     assert torch.equal(b[0], 2 * torch.ones(3)) and torch.equal(b[1], torch.full((2,), 4.0))
     keys = nn.modules.module._IncompatibleKeys(["m"], ["u"])
     assert keys.missing_keys == ["m"] and keys.unexpected_keys == ["u"]
+
+
+def test_class_change_and_torch_function_sealing():
+    """released.py: a Parameter's `__class__` can be changed to a subclass and back (as
+    torch's UninitializedParameter does); a subclass's `__torch_function__` sees method
+    calls, attribute reads (as getset descriptors) and `.data` assignment; subclass
+    dispatch can be switched off inside; `torch._C._nn._parse_to` reads `.to()` arguments."""
+    seen = []
+
+    class Watching(nn.Parameter):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            seen.append(getattr(func, "__name__", ""))
+            owner = getattr(func, "__self__", None)
+            if type(owner).__name__ == "getset_descriptor":
+                seen.append(owner.__name__)
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+
+    p = nn.Parameter(torch.ones(2, 3))
+    p.__class__ = Watching
+    assert isinstance(p, nn.Parameter) and p.sum().item() == 6.0
+    assert p.shape == (2, 3)
+    p.data = p
+    assert {"sum", "__get__", "shape", "__set__", "data"} <= set(seen)
+    p.__class__ = nn.Parameter
+    seen.clear()
+    p.sum()
+    assert seen == []
+    device, dtype, non_blocking, memory_format = torch._C._nn._parse_to("cpu", torch.float16)
+    assert (str(device), dtype, non_blocking, memory_format) == ("cpu", torch.float16, False, None)
