@@ -15,6 +15,9 @@
    result: losses equal those of prefetch off, bit for bit.
 7. The CPU optimizer step (fused AdamW over host fp32 shards) against the host memory
    traffic it needs (7 fp32 streams per element) at the measured copy bandwidth.
+8. A released CUDA parameter (offload_param) is sealed: user code touching its values
+   between steps gets ReleasedParameterError, nothing changes, training goes on, and
+   GatheredParameters gives its values.
 Prints one line per check and a final CHECKS_PASSED / CHECKS_FAILED.
 """
 
@@ -299,6 +302,31 @@ def check_offload_bandwidth() -> None:
           f"pinned copy {copy_rate / 1e9:.1f} GB/s; ratio {rate / copy_rate:.2f}")
 
 
+def check_sealed_on_cuda() -> None:
+    from zero3.released import ReleasedParameterError
+
+    engines: list = []
+    offload = {"zero_optimization": {"offload_param": {"device": "cpu", "pin_memory": True}}}
+    losses, before = zero3_run(2, 1e-2, offload, engines)
+    engine = engines[0]
+    weight = engine.module.embed.weight
+    refused = []
+    for name, call in (("sum", lambda: weight.sum()), ("add_", lambda: weight.data.add_(1.0)),
+                       ("half", lambda: engine.module.half()), ("cpu", lambda: weight.cpu())):
+        try:
+            call()
+        except ReleasedParameterError:
+            refused.append(name)
+    with zero3.GatheredParameters([weight]):
+        same = torch.equal(weight.detach().cpu(), before["embed.weight"])
+    x, y = make_batches(3, MICRO)[2]
+    loss = engine(x.to(DEVICE), y.to(DEVICE))
+    engine.backward(loss)
+    engine.step()
+    check("sealed CUDA parameter", refused == ["sum", "add_", "half", "cpu"] and same and math.isfinite(loss.item()),
+          f"refused {refused}, values unchanged {same}, next loss {loss.item():.4f}, device {weight.device}")
+
+
 def main() -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -306,7 +334,7 @@ def main() -> None:
     zero3.init_distributed(dist_backend="nccl")
     for fn in (check_parity, check_bf16_offload, check_resume, check_offload_bandwidth,
                check_offload_device_bytes, check_overlapped_host_step, check_overflow_skipped_in_kernel,
-               check_prefetch_exact, measure_cpu_optimizer):
+               check_prefetch_exact, measure_cpu_optimizer, check_sealed_on_cuda):
         try:
             fn()
         except Exception as exc:  # noqa: BLE001 - report and go on with the other checks
