@@ -141,9 +141,9 @@ def test_export_streams_one_parameter_at_a_time(tmp_path, monkeypatch):
     alive: list[weakref.ref] = []
     overlaps = []
 
-    def tracking(engine_, sp, local):
+    def tracking(model, sp, local):
         overlaps.append(sum(ref() is not None for ref in alive))
-        full = original(engine_, sp, local)
+        full = original(model, sp, local)
         alive.append(weakref.ref(full))
         return full
 

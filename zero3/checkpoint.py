@@ -3,6 +3,10 @@
 The format's read-only side (names, manifest, verification, tags, the shard reader) is
 checkpoint_format.py, shared with the CLI, the offline export and the DeepSpeed import.
 
+`save` and `load` take a `TrainingState` (the model and its shards, the optimizer view,
+scheduler, counters, loss scaler, where gradient shards live and how to drop them) that
+the engine builds at each call, plus the config values they use as plain arguments.
+
 Layout of `save_dir/<tag>/` (W ranks saved it):
   rank{r:05d}-of-{W:05d}.safetensors  rank r's unpadded slices, per parameter by name:
                                  param/<name>             compute-dtype values
@@ -86,7 +90,7 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -96,15 +100,16 @@ from .checkpoint_format import (COMMON, FORMAT_VERSION, LATEST, MANIFEST, MODEL_
                                 plain_value_problem, read_manifest, resolve_tag, seal, shard_file, state_file,
                                 unpickle_file, verify_files)
 from .checkpoint_paths import checked_tag
+from .comm import Communicator
+from .counters import StepCounters
 from .ds_layout import DeepSpeedCheckpoint, deepspeed_tag_folder
-from .export import (TensorSpec, fsync_dir, master_map, on_every_rank, parameter_aliases, persistent_buffers,
-                     removed_on_failure, save_consolidated, write_safetensors)
+from .export import (TensorSpec, fsync_dir, on_every_rank, parameter_aliases, persistent_buffers, removed_on_failure,
+                     write_consolidated, write_safetensors)
 from .late_params import LATE_KEY, late_layout, restore_late, unmanaged_parameters
 from .partition import ParamState, ShardedParam
+from .precision import LossScaler
 from .version import __version__
-
-if TYPE_CHECKING:
-    from .engine import Engine
+from .views import OptimizerAccess, ShardedModel
 
 logger = logging.getLogger("zero3")
 
@@ -115,6 +120,27 @@ PAUSE_PHASES = {
     "shards-written": "rank 0, after every rank committed its files, before the manifest",
     "manifest-written": "rank 0, after the manifest is committed, before `latest`",
 }
+
+
+@dataclass(frozen=True, eq=False)
+class TrainingState:
+    """What a checkpoint saves and restores: the engine's collaborators when save or load is called.
+
+    Ownership: every object here is the engine's. A save only reads them; a load writes
+    into them in place (shards, fp32 masters, optimizer state and param groups, the
+    scheduler, counters and loss scaler) and calls `zero_grad` to drop the gradients of
+    the window it replaces. Saved gradient shards are restored as new fp32 tensors on
+    `master_device`, owned by their ShardedParams from then on."""
+
+    model: ShardedModel
+    optimizer: OptimizerAccess
+    lr_scheduler: Any
+    counters: StepCounters
+    loss_scaler: LossScaler | None
+    master_device: torch.device
+    zero_grad: Callable[[], None]
+
+
 # ------------------------------------------------------------------ file I/O
 def _write_bytes_atomically(path: Path, data: bytes) -> dict[str, Any]:
     """`path` becomes `data` or stays as it was: temporary name, fsync, rename, fsync dir."""
@@ -179,23 +205,25 @@ def _check_client_state(client_state: Any) -> None:
         )
 
 
-def _saved_params(engine: "Engine", exclude_frozen: bool) -> list[ShardedParam]:
-    return [sp for sp in engine.table.values() if not (exclude_frozen and not sp.requires_grad)]
+def _saved_params(table: dict[torch.nn.Parameter, ShardedParam], exclude_frozen: bool) -> list[ShardedParam]:
+    return [sp for sp in table.values() if not (exclude_frozen and not sp.requires_grad)]
 
 
-def _rank_tensors(engine: "Engine", exclude_frozen: bool) -> tuple[list[TensorSpec], list[Callable], dict]:
+def _rank_tensors(model: ShardedModel, optimizer: OptimizerAccess,
+                  exclude_frozen: bool) -> tuple[list[TensorSpec], list[Callable], dict]:
     """This rank's tensors: specs, a producer for each (called one at a time, in order),
     and per parameter {"master": bool, "optim": {key: "elementwise" | "whole"}}."""
     specs: list[TensorSpec] = []
     producers: list[Callable[[], torch.Tensor]] = []
     kinds: dict[str, dict[str, Any]] = {}
-    masters = master_map(engine)
+    masters = optimizer.masters()
+    optimizer_state = optimizer.state()
 
     def add(name: str, tensor: torch.Tensor) -> None:
         specs.append(TensorSpec(name, tensor.dtype, tuple(tensor.shape)))
         producers.append(lambda: tensor)
 
-    for sp in _saved_params(engine, exclude_frozen):
+    for sp in _saved_params(model.table, exclude_frozen):
         valid = sp.local_valid_numel
         add(f"param/{sp.name}", sp.shard[:valid])
         master = masters.get(id(sp))
@@ -208,7 +236,7 @@ def _rank_tensors(engine: "Engine", exclude_frozen: bool) -> tuple[list[TensorSp
             continue
         if info["master"]:
             add(f"master/{sp.name}", master[:valid])
-        for key, value in engine.optimizer.optimizer.state.get(master, {}).items():
+        for key, value in optimizer_state.get(master, {}).items():
             if not isinstance(value, torch.Tensor):
                 continue
             if value.shape == master.shape:
@@ -217,10 +245,10 @@ def _rank_tensors(engine: "Engine", exclude_frozen: bool) -> tuple[list[TensorSp
             else:
                 info["optim"][str(key)] = "whole"
                 add(f"optim_whole/{sp.name}/{key}", value)
-    if engine.comm.rank == 0:
-        for name, buffer in persistent_buffers(engine.module).items():
+    if model.comm.rank == 0:
+        for name, buffer in persistent_buffers(model.module).items():
             add(f"buffer/{name}", buffer)
-        for name, p in unmanaged_parameters(engine.module, engine.table).items():
+        for name, p in unmanaged_parameters(model.module, model.table).items():
             add(LATE_KEY + name, p.detach())
     return specs, producers, kinds
 
@@ -247,23 +275,22 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def _common_state(engine: "Engine", client_state: dict) -> dict[str, Any]:
-    optimizer = engine.optimizer
-    groups = []
+def _common_state(optimizer: OptimizerAccess, scheduler: Any, counters: StepCounters,
+                  loss_scaler: LossScaler | None, client_state: dict) -> dict[str, Any]:
+    """common.pt: counters, loss scaler, optimizer hyper-parameters and non-tensor state,
+    the scheduler's state and `client_state` (plain values only)."""
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups()]
     extras: dict[str, dict[str, Any]] = {}
-    if optimizer is not None:
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.optimizer.param_groups]
-        for sp, master in zip(optimizer.params, optimizer.masters):
-            values = optimizer.optimizer.state.get(master, {})
-            plain = {k: v for k, v in values.items() if not isinstance(v, torch.Tensor)}
-            if plain:
-                extras[sp.name] = plain
-    scheduler = engine.lr_scheduler
+    state = optimizer.state()
+    for sp, master in optimizer.stepped():
+        plain = {k: v for k, v in state.get(master, {}).items() if not isinstance(v, torch.Tensor)}
+        if plain:
+            extras[sp.name] = plain
     has_state = scheduler is not None and hasattr(scheduler, "state_dict")
     return {
         "format_version": FORMAT_VERSION,
-        **engine.counters.state_dict(),
-        "loss_scaler": engine.loss_scaler_state() if hasattr(engine, "loss_scaler_state") else None,
+        **counters.state_dict(),
+        "loss_scaler": loss_scaler.state_dict() if loss_scaler is not None else None,
         "param_groups": groups,
         "optim_extras": extras,
         "lr_scheduler": scheduler.state_dict() if has_state else None,
@@ -272,9 +299,9 @@ def _common_state(engine: "Engine", client_state: dict) -> dict[str, Any]:
     }
 
 
-def _param_layout(engine: "Engine", exclude_frozen: bool, kinds: dict) -> dict[str, Any]:
+def _param_layout(table: dict[torch.nn.Parameter, ShardedParam], exclude_frozen: bool, kinds: dict) -> dict[str, Any]:
     layout = {}
-    for sp in _saved_params(engine, exclude_frozen):
+    for sp in _saved_params(table, exclude_frozen):
         layout[sp.name] = {
             "shape": list(sp.shape),
             "dtype": _dtype_name(sp.dtype),
@@ -309,12 +336,12 @@ def _prepare_folder(folder: Path) -> None:
     fsync_dir(folder)
 
 
-def _write_rank_files(engine: "Engine", folder: Path, client_state: dict,
+def _write_rank_files(state: TrainingState, folder: Path, client_state: dict,
                       exclude_frozen: bool) -> tuple[dict[str, Any], dict]:
     """This rank's shard file, RNG file (and common.pt on rank 0): name -> digest."""
-    rank, world = engine.comm.rank, engine.comm.world_size
+    rank, world = state.model.comm.rank, state.model.comm.world_size
     written: dict[str, dict[str, Any]] = {}
-    specs, producers, kinds = _rank_tensors(engine, exclude_frozen)
+    specs, producers, kinds = _rank_tensors(state.model, state.optimizer, exclude_frozen)
     values = (producer() for producer in producers)
     shard_path = folder / shard_file(rank, world)
     written[shard_path.name] = write_safetensors(
@@ -323,7 +350,8 @@ def _write_rank_files(engine: "Engine", folder: Path, client_state: dict,
     rng_path = folder / state_file(rank, world)
     written[rng_path.name] = _write_bytes_atomically(rng_path, _pickled({"rng": _rng_state(), "rank": rank}))
     if rank == 0:
-        data = _pickled(_common_state(engine, client_state))
+        data = _pickled(_common_state(state.optimizer, state.lr_scheduler, state.counters, state.loss_scaler,
+                                      client_state))
         try:
             torch.load(io.BytesIO(data), weights_only=True)
         except Exception as exc:  # noqa: BLE001 - named and re-raised
@@ -335,22 +363,27 @@ def _write_rank_files(engine: "Engine", folder: Path, client_state: dict,
     return written, kinds
 
 
-def save(engine: "Engine", save_dir, tag, client_state: dict, save_latest: bool,
-         exclude_frozen: bool) -> bool:
-    """Write a checkpoint with the commit protocol above; a collective. True when done."""
-    comm = engine.comm
+def save(state: TrainingState, save_dir, tag, client_state: dict, save_latest: bool, exclude_frozen: bool,
+         tag_validation: str, write_16bit_model: bool) -> bool:
+    """Write a checkpoint with the commit protocol above; a collective. True when done.
+
+    `tag_validation` is checkpoint.tag_validation ("WARN", "IGNORE" or "FAIL", see
+    `_agree_on_tag`); `write_16bit_model` adds the consolidated compute-dtype weights
+    (zero_optimization.gather_16bit_weights_on_model_save)."""
+    model = state.model
+    comm = model.comm
     rank = comm.rank
     on_every_rank(comm, lambda: (_check_pause_setting(), _check_client_state(client_state)), CheckpointError)
-    tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
-    tag = _agree_on_tag(engine, tag)
+    tag = str(tag) if tag is not None else f"global_step{state.counters.global_steps}"
+    tag = _agree_on_tag(comm, tag, tag_validation)
     root = Path(save_dir)
     folder = root / tag
     on_every_rank(comm, lambda: _prepare_folder(folder) if rank == 0 else None, CheckpointError)
     written, kinds = on_every_rank(
-        comm, lambda: _write_rank_files(engine, folder, client_state, exclude_frozen), CheckpointError)
-    if engine.config.zero.gather_16bit_weights_on_model_save:
-        digest = on_every_rank(comm, lambda: save_consolidated(
-            engine, folder / MODEL_16BIT, dtype=engine.compute_dtype, exclude_frozen=exclude_frozen),
+        comm, lambda: _write_rank_files(state, folder, client_state, exclude_frozen), CheckpointError)
+    if write_16bit_model:
+        digest = on_every_rank(comm, lambda: write_consolidated(
+            model, state.optimizer, folder / MODEL_16BIT, dtype=model.compute_dtype, exclude_frozen=exclude_frozen),
             CheckpointError)
         if rank == 0:
             written[MODEL_16BIT] = digest
@@ -364,7 +397,7 @@ def save(engine: "Engine", save_dir, tag, client_state: dict, save_latest: bool,
         files: dict[str, Any] = {}
         for part in all_written:
             files.update(part)
-        manifest = _manifest(engine, tag, files, _merge_kinds(all_kinds), exclude_frozen)
+        manifest = _manifest(model, state.counters, tag, files, _merge_kinds(all_kinds), exclude_frozen)
         _write_bytes_atomically(folder / MANIFEST, json.dumps(seal(manifest), indent=1).encode())
         pause_point("manifest-written", rank)
         if save_latest:
@@ -389,26 +422,27 @@ def _merge_kinds(all_kinds: list[dict]) -> dict:
     return merged
 
 
-def _manifest(engine: "Engine", tag: str, files: dict, kinds: dict, exclude_frozen: bool) -> dict[str, Any]:
+def _manifest(model: ShardedModel, counters: StepCounters, tag: str, files: dict, kinds: dict,
+              exclude_frozen: bool) -> dict[str, Any]:
     return {
         "format": "zero3",
         "format_version": FORMAT_VERSION,
         "zero3_version": _zero3_version(),
         "torch_version": torch.__version__,
         "tag": tag,
-        "world_size": engine.comm.world_size,
+        "world_size": model.comm.world_size,
         "partition": "flat, ceil(numel / world_size) elements per rank, in rank order",
-        "global_steps": engine.global_steps,
-        "micro_steps": engine.micro_steps,
-        "compute_dtype": _dtype_name(engine.compute_dtype),
+        "global_steps": counters.global_steps,
+        "micro_steps": counters.micro_steps,
+        "compute_dtype": _dtype_name(model.compute_dtype),
         "created_unix": time.time(),
         "exclude_frozen_parameters": exclude_frozen,
         "files": dict(sorted(files.items())),
-        "params": _param_layout(engine, exclude_frozen, kinds),
+        "params": _param_layout(model.table, exclude_frozen, kinds),
         "buffers": {name: {"shape": list(b.shape), "dtype": _dtype_name(b.dtype)}
-                    for name, b in persistent_buffers(engine.module).items()},
-        "aliases": parameter_aliases(engine),
-        "late_params": late_layout(engine.module, engine.table),
+                    for name, b in persistent_buffers(model.module).items()},
+        "aliases": parameter_aliases(model),
+        "late_params": late_layout(model.module, model.table),
     }
 
 
@@ -418,24 +452,23 @@ def _check_tag_name(tag: str) -> None:
         raise CheckpointError(f"checkpoint tag {tag!r} is not a valid folder name; use e.g. 'global_step100'")
 
 
-def _agree_on_tag(engine: "Engine", tag: str) -> str:
+def _agree_on_tag(comm: Communicator, tag: str, mode: str) -> str:
     """The tag every rank saves under, after DeepSpeed's checkpoint.tag_validation.
 
     Ranks that pass different tags get, with "Warn" (the default), a warning and with
     "Ignore" nothing, and all of them save under rank 0's tag (a checkpoint has one tag;
     DeepSpeed would scatter it over several folders); with "Fail" an error on every rank.
     """
-    on_every_rank(engine.comm, lambda: _check_tag_name(tag), CheckpointError)
-    tags = engine.comm.gather_objects(tag)
+    on_every_rank(comm, lambda: _check_tag_name(tag), CheckpointError)
+    tags = comm.gather_objects(tag)
     if all(t == tags[0] for t in tags):
         return tag
     by_rank = ", ".join(f"rank {r}: {t!r}" for r, t in enumerate(tags))
-    mode = engine.config.checkpoint_tag_validation
     if mode == "FAIL":
         raise CheckpointError(
             f"ranks passed different checkpoint tags ({by_rank}) and checkpoint.tag_validation is \"Fail\"; "
             "pass the same tag on every rank (a tag with rank-specific text cannot be loaded back)")
-    if mode == "WARN" and engine.comm.rank == 0:
+    if mode == "WARN" and comm.rank == 0:
         logger.warning("zero3: ranks passed different checkpoint tags (%s); every rank saves under rank 0's "
                        "tag %r. Pass the same tag on every rank (checkpoint.tag_validation: \"Ignore\" "
                        "silences this)", by_rank, tags[0])
@@ -447,11 +480,11 @@ def _zero3_version() -> str:
 
 
 # ----------------------------------------------------------------------- load
-def model_differences(engine: "Engine", manifest: dict[str, Any], strict: bool) -> list[str]:
+def model_differences(model: ShardedModel, manifest: dict[str, Any], strict: bool) -> list[str]:
     """Every way the model's parameters and buffers differ from the checkpoint's."""
     saved = manifest["params"]
     differences = []
-    ours = {sp.name: sp for sp in engine.table.values()}
+    ours = {sp.name: sp for sp in model.table.values()}
     excluded_frozen = manifest.get("exclude_frozen_parameters", False)
     missing, unexpected = [], []
     for name, sp in ours.items():
@@ -462,7 +495,7 @@ def model_differences(engine: "Engine", manifest: dict[str, Any], strict: bool) 
             continue
         differences += _entry_differences(name, tuple(sp.shape), _dtype_name(sp.dtype), entry)
     unexpected = [(n, tuple(e["shape"]), e["dtype"]) for n, e in saved.items() if n not in ours]
-    buffers = persistent_buffers(engine.module)
+    buffers = persistent_buffers(model.module)
     saved_buffers = manifest.get("buffers", {})
     for name, buffer in buffers.items():
         if name in saved_buffers:
@@ -513,32 +546,32 @@ class _Plan:
     open_reader: Callable[[], Any]
 
 
-def _plan(engine: "Engine", folder: Path, manifest: dict[str, Any], strict: bool,
+def _plan(state: TrainingState, folder: Path, manifest: dict[str, Any], strict: bool,
           load_optimizer_states: bool, load_lr_scheduler_states: bool, load_module_only: bool) -> _Plan:
     common = unpickle_file(folder / COMMON)
-    rank, world = engine.comm.rank, manifest["world_size"]
+    rank, world = state.model.comm.rank, manifest["world_size"]
     rng = unpickle_file(folder / state_file(rank, world)) if (rank < world and not load_module_only) else None
     plan = _Plan(folder, manifest, common, rng, False, lambda: ShardReader(folder, manifest))
-    return _checked_plan(engine, plan, strict, load_optimizer_states, load_lr_scheduler_states, load_module_only)
+    return _checked_plan(state, plan, strict, load_optimizer_states, load_lr_scheduler_states, load_module_only)
 
 
-def _checked_plan(engine: "Engine", plan: _Plan, strict: bool, load_optimizer_states: bool,
+def _checked_plan(state: TrainingState, plan: _Plan, strict: bool, load_optimizer_states: bool,
                   load_lr_scheduler_states: bool, load_module_only: bool) -> _Plan:
     """`plan` once the model, optimizer and scheduler are known to fit it (else CheckpointError)."""
     folder, common = plan.folder, plan.common
-    differences = model_differences(engine, plan.manifest, strict)
+    differences = model_differences(state.model, plan.manifest, strict)
     if differences:
         raise CheckpointError(
             f"checkpoint {folder} does not fit the model ({len(differences)} differences; "
             "load_module_strict=False skips missing and unexpected names), nothing was loaded:\n  "
             + "\n  ".join(differences)
         )
-    plan.restore_optimizer = load_optimizer_states and not load_module_only and engine.optimizer is not None
+    plan.restore_optimizer = load_optimizer_states and not load_module_only and state.optimizer.present
     if plan.restore_optimizer:
-        _check_optimizer_fits(engine, plan)
-    if (not load_module_only and load_lr_scheduler_states and engine.lr_scheduler is not None
+        _check_optimizer_fits(state.optimizer, state.model.comm.world_size, plan)
+    if (not load_module_only and load_lr_scheduler_states and state.lr_scheduler is not None
             and common.get("lr_scheduler") is not None):
-        mismatch = _scheduler_mismatch(engine.lr_scheduler, common)
+        mismatch = _scheduler_mismatch(state.lr_scheduler, common)
         if mismatch:
             raise CheckpointError(
                 f"checkpoint {folder} {mismatch}; use the same scheduler or pass load_lr_scheduler_states=False")
@@ -558,9 +591,10 @@ def _scheduler_mismatch(scheduler: Any, common: dict[str, Any]) -> str | None:
         f"holds a scheduler state with keys {saved_keys}, the engine's {ours} has {our_keys}")
 
 
-def _check_optimizer_fits(engine: "Engine", plan: _Plan) -> None:
+def _check_optimizer_fits(optimizer: OptimizerAccess, world_size: int, plan: _Plan) -> None:
+    """The saved optimizer state fits `optimizer` on `world_size` ranks (else CheckpointError)."""
     folder, manifest = plan.folder, plan.manifest
-    groups = engine.optimizer.optimizer.param_groups
+    groups = optimizer.param_groups()
     saved_groups = plan.common["param_groups"]
     if len(saved_groups) != len(groups):
         raise CheckpointError(
@@ -568,7 +602,7 @@ def _check_optimizer_fits(engine: "Engine", plan: _Plan) -> None:
             f"has {len(groups)}; build the optimizer with the same groups, or pass "
             "load_optimizer_states=False"
         )
-    if manifest["world_size"] == engine.comm.world_size:
+    if manifest["world_size"] == world_size:
         return
     with plan.open_reader() as reader:
         for name, entry in manifest["params"].items():
@@ -576,7 +610,7 @@ def _check_optimizer_fits(engine: "Engine", plan: _Plan) -> None:
                 if kind == "whole" and reader.whole_shape(f"optim_whole/{name}/{key}"):
                     raise CheckpointError(
                         f"optimizer state {key!r} of {name} is neither elementwise nor a scalar, so it "
-                        f"cannot be resharded from {manifest['world_size']} to {engine.comm.world_size} "
+                        f"cannot be resharded from {manifest['world_size']} to {world_size} "
                         "ranks; load on the same number of ranks or pass load_optimizer_states=False"
                     )
 
@@ -588,8 +622,10 @@ def _fill(target: torch.Tensor, values: torch.Tensor) -> None:
         target[: values.numel()].copy_(values.to(target.dtype))
 
 
-def _apply_param(engine: "Engine", sp: ShardedParam, reader: ShardReader, plan: _Plan,
+def _apply_param(optimizer: OptimizerAccess, world_size: int, sp: ShardedParam, reader: ShardReader, plan: _Plan,
                  masters: dict[int, torch.Tensor], groups: dict[int, dict]) -> None:
+    """`sp`'s saved values into its shard (and its full values, if resident), its master
+    and, with `plan.restore_optimizer`, its optimizer state (resharded to `world_size`)."""
     entry = plan.manifest["params"][sp.name]
     numel = entry["numel"]
     start, end = sp.range_of(sp.rank)
@@ -607,20 +643,20 @@ def _apply_param(engine: "Engine", sp: ShardedParam, reader: ShardReader, plan: 
         else:  # as DeepSpeed: the fp32 master is refreshed from the loaded 16-bit weights
             _fill(master, sp.shard)
     if plan.restore_optimizer:
-        state = _optimizer_state_of(engine, sp, reader, plan, master, groups[id(master)])
-        optimizer_state = engine.optimizer.optimizer.state
+        state = _optimizer_state_of(world_size, sp, reader, plan, master, groups[id(master)])
+        optimizer_state = optimizer.state()
         if state:
             optimizer_state[master] = state
         else:
             optimizer_state.pop(master, None)
 
 
-def _optimizer_state_of(engine: "Engine", sp: ShardedParam, reader: ShardReader, plan: _Plan,
+def _optimizer_state_of(world_size: int, sp: ShardedParam, reader: ShardReader, plan: _Plan,
                         master: torch.Tensor, group: dict) -> dict[str, Any]:
     entry = plan.manifest["params"][sp.name]
     numel = entry["numel"]
     start, end = sp.range_of(sp.rank)
-    same_world = plan.manifest["world_size"] == engine.comm.world_size
+    same_world = plan.manifest["world_size"] == world_size
     state: dict[str, Any] = dict(plan.common.get("optim_extras", {}).get(sp.name, {}))
     on_device = bool(group.get("fused") or group.get("capturable"))
     for key, kind in entry.get("optim", {}).items():
@@ -636,67 +672,83 @@ def _optimizer_state_of(engine: "Engine", sp: ShardedParam, reader: ShardReader,
     return state
 
 
-def _apply(engine: "Engine", plan: _Plan, load_lr_scheduler_states: bool, load_module_only: bool) -> None:
-    masters = master_map(engine)
-    groups = {}
-    if engine.optimizer is not None:
-        groups = {id(p): g for g in engine.optimizer.optimizer.param_groups for p in g["params"]}
-    grads: list[tuple[ShardedParam, torch.Tensor]] = []
-    with plan.open_reader() as reader:
-        for sp in engine.table.values():
-            if sp.name in plan.manifest["params"]:
-                _apply_param(engine, sp, reader, plan, masters, groups)
-                if plan.restore_optimizer and not load_module_only and plan.manifest["params"][sp.name].get("grad"):
-                    grads.append((sp, _saved_grad(engine, sp, reader, plan)))
-        saved_buffers = plan.manifest.get("buffers", {})
-        with torch.no_grad():
-            for name, buffer in persistent_buffers(engine.module).items():
-                if name in saved_buffers:
-                    buffer.copy_(reader.read_whole(f"buffer/{name}"))
-        restore_late(engine.module, engine.table, plan.manifest.get("late_params", {}), reader.read_whole,
-                     engine.comm.rank)
+def _apply(state: TrainingState, plan: _Plan, load_lr_scheduler_states: bool, load_module_only: bool) -> None:
+    """Write what `plan` holds into the engine's state (every check has passed by now)."""
+    grads = _apply_tensors(state.model, state.optimizer, state.master_device, plan, load_module_only)
     common = plan.common
     if plan.restore_optimizer:
-        for group, saved in zip(engine.optimizer.optimizer.param_groups, common["param_groups"]):
+        for group, saved in zip(state.optimizer.param_groups(), common["param_groups"]):
             group.update(saved)
     if not load_module_only:
-        if load_lr_scheduler_states and engine.lr_scheduler is not None and common["lr_scheduler"] is not None:
-            engine.lr_scheduler.load_state_dict(common["lr_scheduler"])
-        engine.counters.load_state_dict(common)
-        if common.get("loss_scaler") is not None and hasattr(engine, "load_loss_scaler_state"):
-            engine.load_loss_scaler_state(common["loss_scaler"])
-        if plan.rng is not None and plan.rng.get("rng") is not None:  # None: imported, saved without RNG
-            _set_rng_state(plan.rng["rng"])
-        elif engine.comm.rank >= plan.manifest["world_size"]:
-            logger.warning("zero3: rank %d has no saved RNG state (checkpoint of %d ranks); its RNG is "
-                           "not restored", engine.comm.rank, plan.manifest["world_size"])
-    engine.zero_grad()
+        _restore_progress(state, plan, load_lr_scheduler_states)
+    state.zero_grad()
     for sp, grad in grads:  # a checkpoint saved inside an accumulation window goes on from there
         sp.grad_shard = grad
 
 
-def _saved_grad(engine: "Engine", sp: ShardedParam, reader: ShardReader, plan: _Plan) -> torch.Tensor:
+def _apply_tensors(model: ShardedModel, optimizer: OptimizerAccess, master_device: torch.device, plan: _Plan,
+                   load_module_only: bool) -> list[tuple[ShardedParam, torch.Tensor]]:
+    """Parameters, masters, optimizer state, buffers and late parameters from the saved
+    tensors; returns the saved gradient shards (new tensors on `master_device`) to set
+    once the gradients of the current window are dropped."""
+    masters = optimizer.masters()
+    groups = {id(p): g for g in optimizer.param_groups() for p in g["params"]}
+    grads: list[tuple[ShardedParam, torch.Tensor]] = []
+    with plan.open_reader() as reader:
+        for sp in model.table.values():
+            if sp.name in plan.manifest["params"]:
+                _apply_param(optimizer, model.comm.world_size, sp, reader, plan, masters, groups)
+                if plan.restore_optimizer and not load_module_only and plan.manifest["params"][sp.name].get("grad"):
+                    grads.append((sp, _saved_grad(master_device, sp, reader, plan)))
+        saved_buffers = plan.manifest.get("buffers", {})
+        with torch.no_grad():
+            for name, buffer in persistent_buffers(model.module).items():
+                if name in saved_buffers:
+                    buffer.copy_(reader.read_whole(f"buffer/{name}"))
+        restore_late(model.module, model.table, plan.manifest.get("late_params", {}), reader.read_whole,
+                     model.comm.rank)
+    return grads
+
+
+def _restore_progress(state: TrainingState, plan: _Plan, load_lr_scheduler_states: bool) -> None:
+    """The scheduler (if asked), counters, loss scale and this rank's RNG."""
+    common = plan.common
+    if load_lr_scheduler_states and state.lr_scheduler is not None and common["lr_scheduler"] is not None:
+        state.lr_scheduler.load_state_dict(common["lr_scheduler"])
+    state.counters.load_state_dict(common)
+    if common.get("loss_scaler") is not None and state.loss_scaler is not None:
+        state.loss_scaler.load_state_dict(common["loss_scaler"])
+    rank = state.model.comm.rank
+    if plan.rng is not None and plan.rng.get("rng") is not None:  # None: imported, saved without RNG
+        _set_rng_state(plan.rng["rng"])
+    elif rank >= plan.manifest["world_size"]:
+        logger.warning("zero3: rank %d has no saved RNG state (checkpoint of %d ranks); its RNG is "
+                       "not restored", rank, plan.manifest["world_size"])
+
+
+def _saved_grad(master_device: torch.device, sp: ShardedParam, reader: ShardReader, plan: _Plan) -> torch.Tensor:
     """This rank's slice of the accumulated fp32 gradient, in a new shard-sized tensor."""
     numel = plan.manifest["params"][sp.name]["numel"]
     start, end = sp.range_of(sp.rank)
-    grad = torch.zeros(sp.shard_numel, dtype=torch.float32, device=engine.master_device)
+    grad = torch.zeros(sp.shard_numel, dtype=torch.float32, device=master_device)
     _fill(grad, reader.read_range(f"grad/{sp.name}", numel, start, end))
     return grad
 
 
-def load(engine: "Engine", load_dir, tag, strict: bool, load_optimizer_states: bool,
-         load_lr_scheduler_states: bool, load_module_only: bool):
-    """Verify, then load a checkpoint; (path, client_state), or (None, None) when absent.
+def load(state: TrainingState, load_dir, tag, strict: bool, load_optimizer_states: bool,
+         load_lr_scheduler_states: bool, load_module_only: bool, gradient_accumulation_steps: int):
+    """Verify, then load a checkpoint into `state`; (path, client_state), or (None, None) when absent.
 
     A collective. Every check runs before any state is written; a failed check raises
     the same CheckpointError on every rank and leaves the engine as it was.
+    `gradient_accumulation_steps` places a DeepSpeed checkpoint's micro-step count.
     """
-    comm = engine.comm
+    comm = state.model.comm
     root = Path(load_dir)
     deepspeed_folder = _deepspeed_folder(comm, root, tag)
     if deepspeed_folder is not None:
-        return _load_deepspeed(engine, deepspeed_folder, strict, load_optimizer_states,
-                               load_lr_scheduler_states, load_module_only)
+        return _load_deepspeed(state, deepspeed_folder, strict, load_optimizer_states,
+                               load_lr_scheduler_states, load_module_only, gradient_accumulation_steps)
     resolved, warning = on_every_rank(comm, lambda: resolve_tag(root, tag), CheckpointError)
     choices = comm.gather_objects(resolved)
     if any(choice != resolved for choice in choices):
@@ -714,15 +766,15 @@ def load(engine: "Engine", load_dir, tag, strict: bool, load_optimizer_states: b
         raise CheckpointError(
             f"checkpoint {folder} failed verification, nothing was loaded:\n  " + "\n  ".join(sorted(set(problems)))
         )
-    plan = on_every_rank(comm, lambda: _plan(engine, folder, manifest, strict, load_optimizer_states,
+    plan = on_every_rank(comm, lambda: _plan(state, folder, manifest, strict, load_optimizer_states,
                                              load_lr_scheduler_states, load_module_only), CheckpointError)
-    _apply(engine, plan, load_lr_scheduler_states, load_module_only)
+    _apply(state, plan, load_lr_scheduler_states, load_module_only)
     comm.barrier()
     return str(folder), plan.common["client_state"]
 
 
 # ------------------------------------------------------ DeepSpeed ZeRO-3 folders
-def _deepspeed_folder(comm, root: Path, tag) -> Path | None:
+def _deepspeed_folder(comm: Communicator, root: Path, tag) -> Path | None:
     """The DeepSpeed ZeRO-3 tag folder (root, tag) names (ds_layout.py), the same on every rank."""
     found = on_every_rank(comm, lambda: deepspeed_tag_folder(root, tag), CheckpointError)
     seen = comm.gather_objects(None if found is None else str(found))
@@ -731,35 +783,35 @@ def _deepspeed_folder(comm, root: Path, tag) -> Path | None:
     return found
 
 
-def _load_deepspeed(engine: "Engine", folder: Path, strict: bool, load_optimizer_states: bool,
-                    load_lr_scheduler_states: bool, load_module_only: bool):
+def _load_deepspeed(state: TrainingState, folder: Path, strict: bool, load_optimizer_states: bool,
+                    load_lr_scheduler_states: bool, load_module_only: bool, gradient_accumulation_steps: int):
     """Load a DeepSpeed ZeRO-3 checkpoint with the checks and restore of our own format.
 
     Every rank reads (memory-mapped) every source rank's files and takes the elements it
     owns; DeepSpeed's files hold no RNG state, so the RNG is left as it is. Micro-steps
     restart at the accumulation boundary after `global_steps`, as in DeepSpeed."""
-    comm = engine.comm
+    comm = state.model.comm
     source = on_every_rank(comm, lambda: DeepSpeedCheckpoint.open(folder), CheckpointError)
     try:
         common = source.common
-        common["micro_steps"] = common["global_steps"] * engine.config.gradient_accumulation_steps
+        common["micro_steps"] = common["global_steps"] * gradient_accumulation_steps
         plan = on_every_rank(comm, lambda: _checked_plan(
-            engine, _Plan(folder, source.layout, common, None, False, lambda: nullcontext(source)), strict,
+            state, _Plan(folder, source.layout, common, None, False, lambda: nullcontext(source)), strict,
             load_optimizer_states, load_lr_scheduler_states, load_module_only), CheckpointError)
-        _apply(engine, plan, load_lr_scheduler_states, load_module_only)
+        _apply(state, plan, load_lr_scheduler_states, load_module_only)
     finally:
         source.close()
     if comm.rank == 0:
-        _log_deepspeed_load(engine, folder, source)
+        _log_deepspeed_load(state.model, folder, source)
     comm.barrier()
     return str(folder), common["client_state"]
 
 
-def _log_deepspeed_load(engine: "Engine", folder: Path, source: DeepSpeedCheckpoint) -> None:
-    frozen = [sp.name for sp in engine.table.values() if not sp.requires_grad]
+def _log_deepspeed_load(model: ShardedModel, folder: Path, source: DeepSpeedCheckpoint) -> None:
+    frozen = [sp.name for sp in model.table.values() if not sp.requires_grad]
     if source.layout["exclude_frozen_parameters"] and frozen:
         logger.warning("zero3: %s was saved with exclude_frozen_parameters: the model's own values of its %d "
                        "frozen parameters are kept (e.g. %s)", folder, len(frozen), frozen[0])
     logger.info("zero3: loaded DeepSpeed ZeRO-3 checkpoint %s (saved on %d ranks, global step %d) on %d ranks; "
                 "it holds no RNG state, so the RNG was not restored", folder, source.world_size,
-                source.common["global_steps"], engine.comm.world_size)
+                source.common["global_steps"], model.comm.world_size)

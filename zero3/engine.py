@@ -45,14 +45,15 @@ from .config import Zero3Config
 from .counters import StepCounters
 from .engine_build import EngineError
 from .engine_surface import EngineSurface
-from .gathered import register_engine, unregister_engine
 from .late_params import LateParameters
 from .optim import settle
+from .param_owner import ParamOwner, register, unregister
 from .partition import ParamState
 from .precision import LossScaler
 from .rank_agreement import check_ranks_agree, config_items, model_items, optimizer_items
 from .timers import StepTimers, ThroughputTimer
 from .units import build_units
+from .views import OptimizerAccess, ShardedModel
 from .wire import gather_rows, group_by_dtype
 
 logger = logging.getLogger("zero3")
@@ -65,7 +66,9 @@ class Engine(EngineSurface, nn.Module):
     `engine.module`: `parameters()` / `named_parameters()` / `named_buffers()` are the
     model's (names prefixed `module.`), `train()` / `eval()` reach it, and an attribute
     the engine does not own is read from the model. The engine's own state lives in its
-    collaborators (fetcher, reducer, optimizer), built here and owned by the engine.
+    collaborators (fetcher, reducer, optimizer), built here and owned by the engine; code
+    outside the step (checkpoints, exports, gathering, generation) is handed typed views
+    of them (`sharded_model`, `optimizer_access`, `param_owner`: views.py, param_owner.py).
     """
 
     def __init__(
@@ -111,9 +114,18 @@ class Engine(EngineSurface, nn.Module):
                                                        self.master_device, self.fetcher, self.reducer.usage,
                                                        background)
         self.lr_scheduler = build.resolve_scheduler(config, lr_scheduler, self.optimizer)
-        register_engine(self)
+        self._build_views()
+        register(self.param_owner)
         self._destroyed = False
         diagnostics.report_config(config, self.comm.rank)
+
+    def _build_views(self) -> None:
+        """The typed views that checkpoints, exports, GatheredParameters, generation and
+        the parameter accessors read (views.py, param_owner.py), over the parts built above."""
+        self.sharded_model = ShardedModel(self.module, self.table, self.comm, self.device, self.compute_dtype)
+        self.optimizer_access = OptimizerAccess(self.optimizer)
+        self.param_owner = ParamOwner(self.sharded_model, self.optimizer_access, self.fetcher, self.reducer.flush,
+                                      self.master_device)
 
     def _init_counters(self) -> None:
         """DeepSpeed's counters and timers, and the per-call flags of backward and step."""
@@ -390,7 +402,7 @@ class Engine(EngineSurface, nn.Module):
         """Context: every parameter gathered once, for generate() without per-token
         collectives; sharded again on exit (zero3/generation.py)."""
         self._check_alive()
-        return generation.gathered_for_generation(self, eval_mode)
+        return generation.gathered_model(self.sharded_model, self.fetcher, self.units, eval_mode)
 
     # --------------------------------------------------------------- queries
     def comm_stats(self) -> dict[str, tuple[int, int]]:
@@ -404,7 +416,7 @@ class Engine(EngineSurface, nn.Module):
 
     def sharded_bytes(self) -> dict[str, int]:
         """Bytes this rank holds for parameters, gradients and optimizer state."""
-        return export.held_bytes(self)
+        return export.held_bytes(self.sharded_model, self.optimizer_access, self.reducer.sink)
 
     # ------------------------------------------------------------ checkpoints
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True,
@@ -422,8 +434,9 @@ class Engine(EngineSurface, nn.Module):
         # Zero gradient shards of leaf parameters no rank used are not gradients: dropped
         # before they are saved, so a load goes on as this engine does (grad_usage.py).
         self.reducer.usage.drop_unused_everywhere(self.comm.all_reduce, self.device)
-        return checkpoint_io.save(self, save_dir, tag, client_state or {}, save_latest,
-                                  exclude_frozen_parameters)
+        return checkpoint_io.save(self._training_state(), save_dir, tag, client_state or {}, save_latest,
+                                  exclude_frozen_parameters, self.config.checkpoint_tag_validation,
+                                  self.config.zero.gather_16bit_weights_on_model_save)
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
@@ -432,8 +445,8 @@ class Engine(EngineSurface, nn.Module):
         check_in("load_checkpoint", self.comm.rank, self.comm.world_size, self.config.checkpoint_arrival_timeout)
         self._settle()
         loaded = checkpoint_io.load(
-            self, load_dir, tag, load_module_strict, load_optimizer_states,
-            load_lr_scheduler_states, load_module_only,
+            self._training_state(), load_dir, tag, load_module_strict, load_optimizer_states,
+            load_lr_scheduler_states, load_module_only, self.config.gradient_accumulation_steps,
         )
         self.reducer.usage.note_restored()  # gradients saved inside a window were used somewhere
         return loaded
@@ -442,7 +455,14 @@ class Engine(EngineSurface, nn.Module):
                          exclude_frozen_parameters: bool = False) -> bool:
         self._check_alive()
         self._settle()
-        return export.save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
+        return export.save_16bit_model(self.sharded_model, self.optimizer_access, save_dir, save_filename,
+                                       exclude_frozen_parameters)
+
+    def _training_state(self) -> checkpoint_io.TrainingState:
+        """What a checkpoint saves and restores, as the engine holds it now (the scheduler
+        is read at each call: it may be replaced after initialize)."""
+        return checkpoint_io.TrainingState(self.sharded_model, self.optimizer_access, self.lr_scheduler,
+                                           self.counters, self.loss_scaler, self.master_device, self.zero_grad)
 
     # -------------------------------------------------------------- lifetime
     def destroy(self) -> None:
@@ -455,7 +475,7 @@ class Engine(EngineSurface, nn.Module):
         self.fetcher.gather(self.table.values())
         self.fetcher.remove()
         self.reducer.remove()
-        unregister_engine(self)
+        unregister(self.param_owner)
         diagnostics.restore_process_settings(self._gc_disabled_here)
         self._destroyed = True
 

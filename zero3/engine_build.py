@@ -171,13 +171,25 @@ def resolve_optimizer(config: Zero3Config, optimizer: Any, model_parameters: Ite
     params = list(model_parameters) if model_parameters is not None else None
     if params is None:
         params = [p for p in module.parameters() if p.requires_grad]
-    if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
-        optimizer = optimizer(params)
-    if optimizer is None and spec is not None:
-        optimizer = build_optimizer(spec, params)
+    optimizer = client_or_config(optimizer, spec, _is_optimizer_factory, build_optimizer, lambda _: params)
     if optimizer is not None:
         check_optimizer_is_elementwise(config, optimizer)
     return optimizer
+
+
+def _is_optimizer_factory(value: Any) -> bool:
+    return callable(value) and not isinstance(value, torch.optim.Optimizer)
+
+
+def client_or_config(client: Any, spec: Any, is_factory: Callable[[Any], bool], build: Callable[[Any, Any], Any],
+                     argument: Callable[[bool], Any]) -> Any:
+    """What the client gave (an instance as it is, or a factory called on the argument),
+    else what the config's section `spec` builds (`build(spec, argument)`); None when
+    there is neither. `argument(from_config)` is asked for on those two paths only, and
+    may refuse with an error naming the path."""
+    if client is None:
+        return None if spec is None else build(spec, argument(True))
+    return client(argument(False)) if is_factory(client) else client
 
 
 def check_optimizer_is_elementwise(config: Zero3Config, optimizer: torch.optim.Optimizer) -> None:
@@ -251,15 +263,18 @@ def resolve_scheduler(config: Zero3Config, lr_scheduler: Any, optimizer: Sharded
             "both a client lr_scheduler and the config's 'scheduler' section were given; "
             "remove one of them"
         )
-    if lr_scheduler is None and spec is not None:
+
+    def client_optimizer(from_config: bool) -> torch.optim.Optimizer:
         if optimizer is None:
-            raise EngineError("the config's 'scheduler' section needs an optimizer")
-        return build_scheduler(spec, optimizer.optimizer)
-    if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
-        if optimizer is None:
-            raise EngineError("an lr_scheduler factory needs an optimizer")
-        return lr_scheduler(optimizer.optimizer)
-    return lr_scheduler
+            raise EngineError("the config's 'scheduler' section needs an optimizer" if from_config
+                              else "an lr_scheduler factory needs an optimizer")
+        return optimizer.optimizer
+
+    return client_or_config(lr_scheduler, spec, _is_scheduler_factory, build_scheduler, client_optimizer)
+
+
+def _is_scheduler_factory(value: Any) -> bool:
+    return callable(value) and not hasattr(value, "step")
 
 
 # --------------------------------------------------- gradients and gathering

@@ -19,7 +19,7 @@ from torch import nn
 
 from . import param_access
 from .accelerator import get_accelerator
-from .export import consolidated_state_dict
+from .export import consolidate
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -64,7 +64,7 @@ class EngineSurface:
         state and `_zero3_consolidated_16bit_state_dict` for rank 0 only.)"""
         if args:
             raise TypeError("engine.state_dict() takes keyword arguments only (destination=, prefix=)")
-        values = param_access.full_state_dict(self, prefix + "module.")
+        values = param_access.full_state_dict(self.sharded_model, self.optimizer_access, prefix + "module.")
         if destination is not None:
             destination.update(values)
             return destination
@@ -77,14 +77,16 @@ class EngineSurface:
         if assign:
             raise RuntimeError("engine.load_state_dict(assign=True) would replace sharded parameters; "
                                "use assign=False")
-        missing, unexpected = param_access.load_full_state_dict(self, state_dict, "module.", strict)
+        missing, unexpected = param_access.load_full_state_dict(self.sharded_model, self.optimizer_access, state_dict,
+                                                                "module.", strict)
         return nn.modules.module._IncompatibleKeys(missing, unexpected)
 
     def _zero3_consolidated_16bit_state_dict(self: "Engine", exclude_frozen_parameters: bool = False
                                              ) -> dict[str, torch.Tensor] | None:
         """The whole model in the compute dtype on rank 0 (CPU), None on other ranks. A
         collective (Hugging Face's Trainer and Accelerate call it by this name)."""
-        values = consolidated_state_dict(self, dtype=self.compute_dtype, exclude_frozen=exclude_frozen_parameters)
+        values = consolidate(self.sharded_model, self.optimizer_access, dtype=self.compute_dtype,
+                             exclude_frozen=exclude_frozen_parameters)
         return values if self.comm.rank == 0 else None
 
     # --------------------------------------------------------- DeepSpeed's config queries

@@ -17,6 +17,14 @@ process and without torch.distributed: it is what `zero3 checkpoint export` runs
 DeepSpeed's `safe_get_full_fp32_param` / `safe_get_full_optimizer_state` have their
 counterparts here (`full_fp32_param`, `full_optimizer_state`): collectives that return one
 parameter's whole, unpadded value on every rank.
+
+What each function reads is in its signature: the model and its shards (`ShardedModel`)
+and the optimizer's masters and state (`OptimizerAccess`, which waits for an update in
+flight), views.py. The functions a user calls with an engine (`consolidated_state_dict`,
+`save_consolidated`, `save_fp32_model`, `full_fp32_param`, `full_optimizer_state`) read
+those two views of it and nothing else, and hand them to their counterparts over the
+views (`consolidate`, `write_consolidated`, `whole_fp32_param`, `whole_optimizer_state`),
+which the engine and the checkpoint code call.
 """
 
 from __future__ import annotations
@@ -28,17 +36,15 @@ import os
 import struct
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
-from .optim import settle
+from .grad_sink import GradSink
+from .partition import ShardedParam
+from .views import OptimizerAccess, ShardedModel, ShardedTraining
 from .wire import gather_rows
-
-if TYPE_CHECKING:
-    from .engine import Engine
-    from .partition import ShardedParam
 
 
 class ExportError(RuntimeError):
@@ -229,63 +235,68 @@ def persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
     return {name: t for name, kind, t in state_dict_entries(module) if kind == "buffer"}
 
 
-def parameter_aliases(engine: "Engine") -> dict[str, str]:
-    """Second and later names of tied parameters -> the name the engine keeps them under."""
+def parameter_aliases(model: ShardedModel) -> dict[str, str]:
+    """Second and later names of tied parameters -> the name the table keeps them under."""
     aliases = {}
-    for name, kind, tensor in state_dict_entries(engine.module):
-        if kind == "param" and tensor in engine.table and engine.table[tensor].name != name:
-            aliases[name] = engine.table[tensor].name
+    for name, kind, tensor in state_dict_entries(model.module):
+        if kind == "param" and tensor in model.table and model.table[tensor].name != name:
+            aliases[name] = model.table[tensor].name
     return aliases
 
 
 # ---------------------------------------------------------------- gathering, in order
-def gather_full(engine: "Engine", sp: "ShardedParam", local: torch.Tensor) -> torch.Tensor:
+def gather_full(model: ShardedModel, sp: ShardedParam, local: torch.Tensor) -> torch.Tensor:
     """All ranks' `local` shards (shard_numel elements each) -> the whole unpadded tensor.
 
-    A collective: every rank calls it for the same parameter in the same order. The
-    result, on every rank, has `sp.shape` and `local`'s dtype, on the engine's device.
+    A collective over `model.comm`: every rank calls it for the same parameter in the same
+    order. The result, on every rank, has `sp.shape` and `local`'s dtype, on `model.device`.
     """
-    comm = engine.comm
     if local.numel() != sp.shard_numel:
         raise ExportError(f"{sp.name}: a shard-shaped tensor has {local.numel()} elements, expected {sp.shard_numel}")
-    rows = gather_rows(comm, local, engine.device)
+    rows = gather_rows(model.comm, local, model.device)
     return rows.view(-1)[: sp.numel].view(sp.shape)
 
 
-def master_map(engine: "Engine") -> dict[int, torch.Tensor]:
-    """id(ShardedParam) -> its fp32 master, once any update still running behind the
-    forward (host_step.py) is complete: shards, masters and optimizer state are read after it."""
-    return engine.optimizer.settled_masters() if engine.optimizer is not None else {}
-
-
-def full_fp32_param(engine: "Engine", param: nn.Parameter) -> torch.Tensor:
+def full_fp32_param(engine: ShardedTraining, param: nn.Parameter) -> torch.Tensor:
     """The whole fp32 master of `param` on every rank (its compute values, upcast, when it
     has no master: a frozen parameter). Collective, as DeepSpeed's safe_get_full_fp32_param."""
-    sp = engine.table[param]
-    master = master_map(engine).get(id(sp))
+    return whole_fp32_param(engine.sharded_model, engine.optimizer_access, param)
+
+
+def whole_fp32_param(model: ShardedModel, optimizer: OptimizerAccess, param: nn.Parameter) -> torch.Tensor:
+    """full_fp32_param over the views: a new CPU tensor the caller owns. Collective."""
+    sp = model.table[param]
+    master = optimizer.masters().get(id(sp))
     local = master if master is not None else sp.shard.float()
-    return gather_full(engine, sp, local).cpu()
+    return gather_full(model, sp, local).cpu()
 
 
-def full_optimizer_state(engine: "Engine", param: nn.Parameter, key: str) -> torch.Tensor | None:
+def full_optimizer_state(engine: ShardedTraining, param: nn.Parameter, key: str) -> torch.Tensor | None:
     """The whole optimizer state `key` (e.g. "exp_avg") of `param` on every rank; a scalar
     state (e.g. "step") as it is; None if the parameter has no such state. Collective."""
-    sp = engine.table[param]
-    master = master_map(engine).get(id(sp))
-    state = engine.optimizer.optimizer.state.get(master, {}) if master is not None else {}
-    present = engine.comm.gather_objects(key in state)
+    return whole_optimizer_state(engine.sharded_model, engine.optimizer_access, param, key)
+
+
+def whole_optimizer_state(model: ShardedModel, optimizer: OptimizerAccess, param: nn.Parameter,
+                          key: str) -> torch.Tensor | None:
+    """full_optimizer_state over the views: a CPU copy the caller owns (a non-tensor state
+    as it is). Collective."""
+    sp = model.table[param]
+    master = optimizer.masters().get(id(sp))
+    state = optimizer.state().get(master, {}) if master is not None else {}
+    present = model.comm.gather_objects(key in state)
     if not any(present):
         return None
     if not all(present):
         raise ExportError(f"optimizer state {key!r} of {sp.name} exists on some ranks only: {present}")
     value = state[key]
     if isinstance(value, torch.Tensor) and master is not None and value.shape == master.shape:
-        return gather_full(engine, sp, value).cpu()
+        return gather_full(model, sp, value).cpu()
     return value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value
 
 
-def export_specs(engine: "Engine", dtype: torch.dtype | None, exclude_frozen: bool,
-                 use_master: bool) -> list[tuple[TensorSpec, str, Any]]:
+def export_specs(model: ShardedModel, optimizer: OptimizerAccess, dtype: torch.dtype | None,
+                 exclude_frozen: bool, use_master: bool) -> list[tuple[TensorSpec, str, Any]]:
     """(spec, kind, source) for each tensor of a consolidated export, in write order.
 
     kind "param": source is the ShardedParam (every alias follows its canonical name at
@@ -293,14 +304,14 @@ def export_specs(engine: "Engine", dtype: torch.dtype | None, exclude_frozen: bo
     Parameters become `dtype` (None: their own; fp32 with `use_master` when a master
     exists). Buffers keep their dtype, as in DeepSpeed's 16-bit state dict.
     """
-    masters = master_map(engine) if use_master else {}
+    masters = optimizer.masters() if use_master else {}
     names_of: dict[int, list[str]] = {}
     order: list[tuple[str, str, Any]] = []
-    for name, kind, tensor in state_dict_entries(engine.module):
-        if kind == "buffer" or tensor not in engine.table:  # a parameter attached after initialize: whole
+    for name, kind, tensor in state_dict_entries(model.module):
+        if kind == "buffer" or tensor not in model.table:  # a parameter attached after initialize: whole
             order.append((name, "buffer", tensor))
             continue
-        sp = engine.table[tensor]
+        sp = model.table[tensor]
         if exclude_frozen and not sp.requires_grad:
             continue
         if id(sp) not in names_of:
@@ -319,16 +330,16 @@ def export_specs(engine: "Engine", dtype: torch.dtype | None, exclude_frozen: bo
     return specs
 
 
-def iter_consolidated(engine: "Engine", specs: list[tuple[TensorSpec, str, Any]],
+def iter_consolidated(model: ShardedModel, optimizer: OptimizerAccess, specs: list[tuple[TensorSpec, str, Any]],
                       use_master: bool) -> Iterator[torch.Tensor | None]:
     """The tensors of `specs`, one at a time, on CPU on rank 0 (None elsewhere).
 
     A collective generator: every rank must run it to the end. Each parameter is gathered
     once and its value reused for its aliases; nothing is kept after it is yielded.
     """
-    settle(engine.optimizer)  # the shards are read below, masters or not
-    masters = master_map(engine) if use_master else {}
-    rank0 = engine.comm.rank == 0
+    optimizer.settle()  # the shards are read below, masters or not
+    masters = optimizer.masters() if use_master else {}
+    rank0 = model.comm.rank == 0
     last_sp, last_value = None, None
     for spec, kind, source in specs:
         if kind == "buffer":
@@ -338,13 +349,13 @@ def iter_consolidated(engine: "Engine", specs: list[tuple[TensorSpec, str, Any]]
             last_sp = last_value = None  # the previous parameter is gone before the next arrives
             master = masters.get(id(source))
             local = master if master is not None else source.shard
-            full = gather_full(engine, source, local)
+            full = gather_full(model, source, local)
             last_sp, last_value = source, (full.to("cpu", spec.dtype) if rank0 else None)
             del full
         yield last_value
 
 
-def consolidated_state_dict(engine: "Engine", dtype: torch.dtype | None = None,
+def consolidated_state_dict(engine: ShardedTraining, dtype: torch.dtype | None = None,
                             exclude_frozen: bool = False, use_master: bool = False) -> dict[str, torch.Tensor]:
     """The whole model's state dict on rank 0 (CPU tensors); empty on other ranks.
 
@@ -353,23 +364,36 @@ def consolidated_state_dict(engine: "Engine", dtype: torch.dtype | None = None,
     training); otherwise from the compute-dtype parameters. Floating parameters are cast
     to `dtype` when given; buffers keep theirs.
     """
-    specs = export_specs(engine, dtype, exclude_frozen, use_master)
+    return consolidate(engine.sharded_model, engine.optimizer_access, dtype, exclude_frozen, use_master)
+
+
+def consolidate(model: ShardedModel, optimizer: OptimizerAccess, dtype: torch.dtype | None = None,
+                exclude_frozen: bool = False, use_master: bool = False) -> dict[str, torch.Tensor]:
+    """consolidated_state_dict over the views: new CPU tensors on rank 0, owned by the caller."""
+    specs = export_specs(model, optimizer, dtype, exclude_frozen, use_master)
     out: dict[str, torch.Tensor] = {}
-    for (spec, _, _), value in zip(specs, iter_consolidated(engine, specs, use_master)):
+    for (spec, _, _), value in zip(specs, iter_consolidated(model, optimizer, specs, use_master)):
         if value is not None:
             out[spec.name] = value.clone()
     return out
 
 
-def save_consolidated(engine: "Engine", path, dtype: torch.dtype | None = None,
+def save_consolidated(engine: ShardedTraining, path, dtype: torch.dtype | None = None,
                       exclude_frozen: bool = False, use_master: bool = False) -> dict[str, Any] | None:
     """Stream the consolidated state dict into one safetensors file (rank 0 writes).
 
     A collective. Returns the file's {"size", "sha256"} on rank 0, None elsewhere.
     """
-    specs = export_specs(engine, dtype, exclude_frozen, use_master)
-    values = iter_consolidated(engine, specs, use_master)
-    if engine.comm.rank != 0:
+    return write_consolidated(engine.sharded_model, engine.optimizer_access, path, dtype, exclude_frozen,
+                              use_master)
+
+
+def write_consolidated(model: ShardedModel, optimizer: OptimizerAccess, path, dtype: torch.dtype | None = None,
+                       exclude_frozen: bool = False, use_master: bool = False) -> dict[str, Any] | None:
+    """save_consolidated over the views. Rank 0 holds one parameter's value at a time."""
+    specs = export_specs(model, optimizer, dtype, exclude_frozen, use_master)
+    values = iter_consolidated(model, optimizer, specs, use_master)
+    if model.comm.rank != 0:
         for _ in values:
             pass
         return None
@@ -382,49 +406,48 @@ def save_consolidated(engine: "Engine", path, dtype: torch.dtype | None = None,
             pass
 
 
-def save_16bit_model(engine: "Engine", save_dir, save_filename: str, exclude_frozen: bool) -> bool:
+def save_16bit_model(model: ShardedModel, optimizer: OptimizerAccess, save_dir, save_filename: str,
+                     exclude_frozen: bool) -> bool:
     """DeepSpeed's save_16bit_model: the compute-dtype weights, whole, in one file (rank 0).
 
     Unlike DeepSpeed, this works whatever `gather_16bit_weights_on_model_save` says: the
     export streams one parameter at a time, so it never needs the memory DeepSpeed's
     switch protects. That switch makes save_checkpoint write the same file too.
     """
-    on_every_rank(engine.comm, lambda: save_consolidated(
-        engine, Path(save_dir) / save_filename, dtype=engine.compute_dtype, exclude_frozen=exclude_frozen),
+    on_every_rank(model.comm, lambda: write_consolidated(
+        model, optimizer, Path(save_dir) / save_filename, dtype=model.compute_dtype, exclude_frozen=exclude_frozen),
         ExportError)
     return True
 
 
-def save_fp32_model(engine: "Engine", save_dir, save_filename: str = "pytorch_model_fp32.safetensors",
+def save_fp32_model(engine: ShardedTraining, save_dir, save_filename: str = "pytorch_model_fp32.safetensors",
                     exclude_frozen: bool = False) -> bool:
     """The fp32 weights (trainable ones from the fp32 masters), whole, in one file (rank 0)."""
-    on_every_rank(engine.comm, lambda: save_consolidated(
-        engine, Path(save_dir) / save_filename, dtype=torch.float32, exclude_frozen=exclude_frozen,
+    model, optimizer = engine.sharded_model, engine.optimizer_access
+    on_every_rank(model.comm, lambda: write_consolidated(
+        model, optimizer, Path(save_dir) / save_filename, dtype=torch.float32, exclude_frozen=exclude_frozen,
         use_master=True), ExportError)
     return True
 
 
-# --------------------------------------------------------------- offline, from files
 # --------------------------------------------------------------------- held bytes
-def held_bytes(engine: "Engine") -> dict[str, int]:
+def held_bytes(model: ShardedModel, optimizer: OptimizerAccess, grad_sink: GradSink) -> dict[str, int]:
     """Bytes this rank holds: parameter shards, resident full parameters, gradient
     shards, fp32 masters (when separate from the shards) and optimizer state."""
     def nbytes(t: torch.Tensor | None) -> int:
         return 0 if t is None else t.numel() * t.element_size()
 
-    settle(engine.optimizer)
-    shards = sum(nbytes(sp.shard) for sp in engine.table.values())
+    optimizer.settle()
+    table = model.table
+    shards = sum(nbytes(sp.shard) for sp in table.values())
     resident = sum(  # an aliased parameter's storage is its shard, counted above
-        sp.param.untyped_storage().nbytes() for sp in engine.table.values() if sp.persistent and not sp.aliased
+        sp.param.untyped_storage().nbytes() for sp in table.values() if sp.persistent and not sp.aliased
     )
     # Host gradient shards are views of one persistent pinned buffer, held between steps too.
-    grads = max(sum(nbytes(sp.grad_shard) for sp in engine.table.values()), engine.reducer.sink.held_bytes())
-    masters = optim_state = 0
-    if engine.optimizer is not None:
-        masters = sum(
-            nbytes(m) for sp, m in zip(engine.optimizer.params, engine.optimizer.masters) if m is not sp.shard
-        )
-        for state in engine.optimizer.optimizer.state.values():
-            optim_state += sum(nbytes(v) for v in state.values() if isinstance(v, torch.Tensor))
+    grads = max(sum(nbytes(sp.grad_shard) for sp in table.values()), grad_sink.held_bytes())
+    masters = sum(nbytes(m) for sp, m in optimizer.stepped() if m is not sp.shard)
+    optim_state = 0
+    for state in optimizer.state().values():
+        optim_state += sum(nbytes(v) for v in state.values() if isinstance(v, torch.Tensor))
     return {"param_shards": shards, "resident_params": resident, "grad_shards": grads,
             "masters": masters, "optimizer_state": optim_state}

@@ -8,10 +8,13 @@ with the same parameters. Inside, each parameter is FULL on every rank. On exit:
 - `modifier_rank=None`: the values must be unchanged; a change made on any rank, to any
   element, is undone and raises on every rank, because it would otherwise be silently
   lost (or, for a resident parameter, kept on one rank only).
-Parameters partitioned by `zero3.Init` and not yet given to an engine are gathered the
-same way (init_gather.py). A parameter whose storage is released but that neither an
-engine nor zero3.Init manages (its engine was destroyed) is refused with
-`ReleasedParameterError`; other parameters pass through untouched.
+The engine that manages a parameter is found through param_owner.py; of it, the context
+reads the table and process group, gathers and drops through its fetcher, and writes
+the fp32 masters through its optimizer view. Parameters partitioned by `zero3.Init` and
+not yet given to an engine are gathered the same way (init_gather.py). A parameter
+whose storage is released but that neither an engine nor zero3.Init manages (its
+engine was destroyed) is refused with `ReleasedParameterError`; other parameters pass
+through untouched.
 
 Memory: with `modifier_rank=None` a copy of the gathered values is kept (on their
 device) for the duration of the context, so that a change is detected exactly, bit for
@@ -20,44 +23,21 @@ bit; it is freed on exit.
 
 from __future__ import annotations
 
-import weakref
-from typing import TYPE_CHECKING
-
 import torch
 from torch import nn
-from torch.utils.weak import WeakIdKeyDictionary
 
+from .comm import Communicator
+from .fetch import Fetcher
 from .init import Init, init_shard_of
 from .init_gather import InitGather, same_bits
+from .param_owner import ParamOwner, owner_of
 from .partition import ParamState, ShardedParam
 from .released import refuse_released
-
-if TYPE_CHECKING:
-    from .engine import Engine
-
-_engine_of: WeakIdKeyDictionary = WeakIdKeyDictionary()
+from .views import OptimizerAccess
 
 
 class GatheredParametersError(RuntimeError):
     """A GatheredParameters context was misused."""
-
-
-def register_engine(engine: "Engine") -> None:
-    ref = weakref.ref(engine)
-    for param in engine.table:
-        _engine_of[param] = ref
-
-
-def unregister_engine(engine: "Engine") -> None:
-    for param in engine.table:
-        ref = _engine_of.get(param)
-        if ref is not None and ref() is engine:
-            del _engine_of[param]
-
-
-def engine_of(param: nn.Parameter) -> "Engine | None":
-    ref = _engine_of.get(param)
-    return ref() if ref is not None else None
 
 
 def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
@@ -79,21 +59,21 @@ class GatheredParameters:
         self.params = [p for p in (params or []) if isinstance(p, torch.Tensor)]
         self.modifier_rank = modifier_rank
         self.enabled = enabled
-        self._groups: list[tuple["Engine", list[ShardedParam]]] = []
+        self._groups: list[tuple[ParamOwner, list[ShardedParam]]] = []  # per managing engine
         self._init_gather: InitGather | None = None
         self._snapshots: dict[int, torch.Tensor] = {}  # id(sp) -> full values on entry
 
     def __enter__(self) -> "GatheredParameters":
         if not self.enabled:
             return self
-        by_engine: dict[int, tuple["Engine", list[ShardedParam]]] = {}
+        by_owner: dict[int, tuple[ParamOwner, list[ShardedParam]]] = {}
         init_params: list[torch.Tensor] = []
         for p in self.params:
-            engine = engine_of(p)
-            if engine is not None:
-                sps = by_engine.setdefault(id(engine), (engine, []))[1]
-                if all(engine.table[p] is not sp for sp in sps):
-                    sps.append(engine.table[p])
+            owner = owner_of(p)
+            if owner is not None:
+                sps = by_owner.setdefault(id(owner), (owner, []))[1]
+                if all(owner.model.table[p] is not sp for sp in sps):
+                    sps.append(owner.model.table[p])
             elif init_shard_of(p) is not None:
                 if Init._active is not None:
                     continue  # inside the context, zero3.Init gathers a parameter on use itself
@@ -102,15 +82,16 @@ class GatheredParameters:
             else:
                 refuse_released(p, "GatheredParameters", fix="no engine or zero3.Init manages it any more "
                                 "(was its engine destroyed?); gather it before engine.destroy()")
-        self._groups = list(by_engine.values())
+        self._groups = list(by_owner.values())
         self._enter_init_params(init_params)
-        for engine, sps in self._groups:
-            if self.modifier_rank is not None and not 0 <= self.modifier_rank < engine.comm.world_size:
+        for owner, sps in self._groups:
+            world = owner.model.comm.world_size
+            if self.modifier_rank is not None and not 0 <= self.modifier_rank < world:
                 raise GatheredParametersError(
                     f"modifier_rank={self.modifier_rank} is not a rank of this world of "
-                    f"{engine.comm.world_size}; use 0..{engine.comm.world_size - 1} or None"
+                    f"{world}; use 0..{world - 1} or None"
                 )
-            engine.fetcher.acquire(sps)
+            owner.fetcher.acquire(sps)
             for sp in sps:
                 refuse_released(sp.param, "GatheredParameters", sp.name, fix="something outside zero3 freed or "
                                 "replaced its storage; leave a managed parameter's storage and `.data` to zero3")
@@ -133,13 +114,13 @@ class GatheredParameters:
         if not self.enabled:
             return
         try:
-            for engine, sps in self._groups:
-                engine.fetcher.guard.flush()
+            for owner, sps in self._groups:
+                owner.fetcher.guard.flush()
                 if self.modifier_rank is not None:
-                    _adopt_values_of(engine, sps, self.modifier_rank)
-                    engine.fetcher.drop(sps)
+                    _adopt_values_of(owner.model.comm, owner.optimizer, sps, self.modifier_rank)
+                    owner.fetcher.drop(sps)
                 else:
-                    self._refuse_changes(engine, sps, raise_error=exc_type is None)
+                    self._refuse_changes(owner.model.comm, owner.fetcher, sps, raise_error=exc_type is None)
             self._exit_init_params(raise_error=exc_type is None)
         finally:
             self._snapshots.clear()
@@ -158,13 +139,16 @@ class GatheredParameters:
                 "modifier_rank=<the rank whose values should be kept> (e.g. 0) to keep it"
             )
 
-    def _refuse_changes(self, engine: "Engine", sps: list[ShardedParam], raise_error: bool) -> None:
+    def _refuse_changes(self, comm: Communicator, fetcher: Fetcher, sps: list[ShardedParam],
+                        raise_error: bool) -> None:
+        """Undo any change made to `sps` inside the context (and drop their holds in
+        `fetcher`); with `raise_error`, raise on every rank if any rank changed one."""
         changed = [sp for sp in sps if not same_bits(sp.param.detach(), self._snapshots[id(sp)])]
-        changed_by_rank = engine.comm.gather_objects([sp.name for sp in changed])
+        changed_by_rank = comm.gather_objects([sp.name for sp in changed])
         with torch.no_grad():
             for sp in changed:  # undo (through .data: no autograd version bump)
                 sp.param.data.copy_(self._snapshots[id(sp)])
-        engine.fetcher.drop(sps)
+        fetcher.drop(sps)
         if any(changed_by_rank) and raise_error:
             where = "; ".join(f"rank {r}: {', '.join(names)}" for r, names in enumerate(changed_by_rank) if names)
             raise GatheredParametersError(
@@ -174,16 +158,17 @@ class GatheredParameters:
             )
 
 
-def _adopt_values_of(engine: "Engine", sps: list[ShardedParam], src: int) -> None:
-    """Broadcast rank `src`'s full values; every rank rebuilds its shard and master."""
+def _adopt_values_of(comm: Communicator, optimizer: OptimizerAccess, sps: list[ShardedParam], src: int) -> None:
+    """Broadcast rank `src`'s full values over `comm`; every rank rebuilds its shard and
+    its fp32 master (where `optimizer` keeps one apart from the shard)."""
     with torch.no_grad():
         for sp in sps:
             if sp.state is not ParamState.FULL or sp.numel == 0:
                 continue
-            engine.comm.broadcast(sp.param.data, src=src)
+            comm.broadcast(sp.param.data, src=src)
             start, end = sp.range_of(sp.rank)
             values = sp.param.detach().reshape(-1)[start:end]
             sp.shard[: end - start].copy_(values)
-            master = engine.optimizer.master_of(sp) if engine.optimizer is not None else None
+            master = optimizer.master_of(sp)
             if master is not None and master is not sp.shard:
                 master[: end - start].copy_(values)

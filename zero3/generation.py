@@ -21,44 +21,67 @@ edit parameters with `GatheredParameters(params, modifier_rank=...)`.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Iterator, Sequence
+from typing import Protocol
 
 from torch import nn
 
+from .fetch import Fetcher, FetchUnit
 from .released import refuse_released
-
-if TYPE_CHECKING:
-    from .engine import Engine
+from .views import ShardedModel
 
 
 class GenerationError(RuntimeError):
     """gathered_for_generation was entered at a time it cannot be."""
 
 
+class GenerationSource(Protocol):
+    """What `gathered_for_generation` reads of the engine it is given."""
+
+    @property
+    def sharded_model(self) -> ShardedModel: ...
+
+    @property
+    def fetcher(self) -> Fetcher: ...
+
+    @property
+    def units(self) -> Sequence[FetchUnit]: ...
+
+
 @contextlib.contextmanager
-def gathered_for_generation(engine: "Engine", eval_mode: bool = True) -> Iterator[nn.Module]:
+def gathered_for_generation(engine: GenerationSource, eval_mode: bool = True) -> Iterator[nn.Module]:
     """The engine's module with every parameter gathered and held, in eval mode by default."""
-    fetcher = engine.fetcher
+    with gathered_model(engine.sharded_model, engine.fetcher, engine.units, eval_mode) as module:
+        yield module
+
+
+@contextlib.contextmanager
+def gathered_model(model: ShardedModel, fetcher: Fetcher, units: Sequence[FetchUnit],
+                   eval_mode: bool = True) -> Iterator[nn.Module]:
+    """`model.module` with the parameters of every unit of `units` gathered through
+    `fetcher` and held until exit; in eval mode by default (its mode restored on exit).
+    The holds are the context's own: each is dropped on exit, whatever happened inside.
+    A collective on entry and exit."""
     if fetcher.model_running():
         raise GenerationError("gathered_for_generation was entered inside the model's forward or "
                               "backward; enter it between training steps")
     fetcher.drop_spares()  # no prefetched or reused gathers left: each unit is gathered once below
     held = []
-    for unit in engine.units:
+    for unit in units:
         fetcher.acquire(unit.params)
         held.append(unit.params)
-    for sp in engine.table.values():
+    for sp in model.table.values():
         refuse_released(sp.param, "gathered_for_generation", sp.name,
                         fix="something outside zero3 freed or replaced its storage; leave a managed "
                         "parameter's storage and `.data` to zero3")
-    was_training = engine.module.training
-    engine.module.train(not eval_mode and was_training)
+    module = model.module
+    was_training = module.training
+    module.train(not eval_mode and was_training)
     fetcher.tracking = False
     try:
-        yield engine.module
+        yield module
     finally:
         fetcher.tracking = True
-        engine.module.train(was_training)
+        module.train(was_training)
         for params in held:
             fetcher.drop(params)

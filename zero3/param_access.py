@@ -19,36 +19,29 @@ setters copy into the engine's tensors and keep no reference to the value given.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
 from .export import gather_full, state_dict_entries
-from .gathered import engine_of
-from .optim import settle
-
-if TYPE_CHECKING:
-    from .engine import Engine
-    from .partition import ShardedParam
+from .param_owner import ParamOwner, owner_of
+from .partition import ShardedParam
+from .views import OptimizerAccess, ShardedModel
 
 
 class ParamAccessError(RuntimeError):
     """A parameter or value that the full / local accessors cannot serve."""
 
 
-def _engine_and_shard(param: nn.Parameter) -> tuple["Engine", "ShardedParam"]:
-    engine = engine_of(param)
-    if engine is None:
+def _owner_and_shard(param: nn.Parameter) -> tuple[ParamOwner, ShardedParam]:
+    owner = owner_of(param)
+    if owner is None:
         raise ParamAccessError(
             f"parameter of shape {tuple(param.shape)} belongs to no live zero3 engine; call this on a "
             "parameter of a model passed to zero3.initialize (before engine.destroy())")
-    settle(engine.optimizer)
-    return engine, engine.table[param]
-
-
-def _master(engine: "Engine", sp: "ShardedParam") -> torch.Tensor | None:
-    return engine.optimizer.master_of(sp) if engine.optimizer is not None else None
+    owner.optimizer.settle()
+    return owner, owner.model.table[param]
 
 
 def _as_shape(value: torch.Tensor, shape: tuple[int, ...] | torch.Size, what: str) -> torch.Tensor:
@@ -58,13 +51,13 @@ def _as_shape(value: torch.Tensor, shape: tuple[int, ...] | torch.Size, what: st
     return value.detach()
 
 
-def _slice_of(sp: "ShardedParam", full: torch.Tensor) -> torch.Tensor:
+def _slice_of(sp: ShardedParam, full: torch.Tensor) -> torch.Tensor:
     """This rank's part of a whole value, flat (no padding)."""
     start, end = sp.range_of(sp.rank)
     return full.reshape(-1)[start:end]
 
 
-def _write_local(target: torch.Tensor, sp: "ShardedParam", piece: torch.Tensor) -> None:
+def _write_local(target: torch.Tensor, sp: ShardedParam, piece: torch.Tensor) -> None:
     """Copy `piece` (this rank's valid elements) into the front of a shard-shaped tensor."""
     with torch.no_grad():
         target[: piece.numel()].copy_(piece.to(target.device, target.dtype))
@@ -72,19 +65,19 @@ def _write_local(target: torch.Tensor, sp: "ShardedParam", piece: torch.Tensor) 
 
 # ----------------------------------------------------------------------- fp32 weights
 def get_full_fp32_param(param: nn.Parameter) -> torch.Tensor | None:
-    engine, sp = _engine_and_shard(param)
-    master = _master(engine, sp)
+    owner, sp = _owner_and_shard(param)
+    master = owner.optimizer.master_of(sp)
     if master is None:
         return None
-    return gather_full(engine, sp, master).cpu()
+    return gather_full(owner.model, sp, master).cpu()
 
 
 def set_full_fp32_param(param: nn.Parameter, value: torch.Tensor) -> None:
     """New fp32 weights: the master, the compute-dtype shard and, where the parameter is
     gathered now (resident), its full values."""
-    engine, sp = _engine_and_shard(param)
+    owner, sp = _owner_and_shard(param)
     value = _as_shape(value, sp.shape, f"set_full_fp32_param({sp.name})")
-    master = _master(engine, sp)
+    master = owner.optimizer.master_of(sp)
     if master is None:
         raise ParamAccessError(f"{sp.name} is frozen (requires_grad=False): it has no fp32 master to set")
     piece = _slice_of(sp, value)
@@ -92,7 +85,7 @@ def set_full_fp32_param(param: nn.Parameter, value: torch.Tensor) -> None:
     _write_weights(sp, piece, value)
 
 
-def _write_weights(sp: "ShardedParam", piece: torch.Tensor, full: torch.Tensor | None) -> None:
+def _write_weights(sp: ShardedParam, piece: torch.Tensor, full: torch.Tensor | None) -> None:
     if sp.shard is not None and not sp.aliased:
         _write_local(sp.shard, sp, piece)
     if sp.param.untyped_storage().nbytes() > 0 and full is not None:
@@ -101,15 +94,15 @@ def _write_weights(sp: "ShardedParam", piece: torch.Tensor, full: torch.Tensor |
 
 
 def get_local_fp32_param(param: nn.Parameter) -> torch.Tensor | None:
-    engine, sp = _engine_and_shard(param)
-    master = _master(engine, sp)
+    owner, sp = _owner_and_shard(param)
+    master = owner.optimizer.master_of(sp)
     return None if master is None else master.detach().clone()
 
 
 def set_local_fp32_param(param: nn.Parameter, value: torch.Tensor) -> None:
     """This rank's fp32 shard (padding included); the compute-dtype shard follows."""
-    engine, sp = _engine_and_shard(param)
-    master = _master(engine, sp)
+    owner, sp = _owner_and_shard(param)
+    master = owner.optimizer.master_of(sp)
     if master is None:
         raise ParamAccessError(f"{sp.name} is frozen (requires_grad=False): it has no fp32 master to set")
     value = _as_shape(value, master.shape, f"set_local_fp32_param({sp.name})")
@@ -122,94 +115,94 @@ def set_local_fp32_param(param: nn.Parameter, value: torch.Tensor) -> None:
 
 
 # ----------------------------------------------------------------------- gradients
-def _grad_shard(engine: "Engine", sp: "ShardedParam") -> torch.Tensor | None:
-    engine.reducer.flush()  # every slice of the current backward is in grad_shard
+def _grad_shard(owner: ParamOwner, sp: ShardedParam) -> torch.Tensor | None:
+    owner.flush_gradients()  # every slice of the current backward is in grad_shard
     return sp.grad_shard
 
 
 def get_full_grad(param: nn.Parameter) -> torch.Tensor | None:
     """The averaged fp32 gradient accumulated since the last optimizer step (None when
     there is none: frozen, or right after a step). Collective."""
-    engine, sp = _engine_and_shard(param)
-    present = engine.comm.gather_objects(_grad_shard(engine, sp) is not None)
+    owner, sp = _owner_and_shard(param)
+    present = owner.model.comm.gather_objects(_grad_shard(owner, sp) is not None)
     if not all(present):
         if any(present):
             raise ParamAccessError(f"the gradient of {sp.name} exists on ranks {present} only")
         return None
-    return gather_full(engine, sp, sp.grad_shard[: sp.shard_numel]).cpu()
+    return gather_full(owner.model, sp, sp.grad_shard[: sp.shard_numel]).cpu()
 
 
 def set_full_grad(param: nn.Parameter, value: torch.Tensor) -> None:
-    engine, sp = _engine_and_shard(param)
+    owner, sp = _owner_and_shard(param)
     value = _as_shape(value, sp.shape, f"set_full_grad({sp.name})")
-    _set_grad_shard(engine, sp, _slice_of(sp, value))
+    _set_grad_shard(owner, sp, _slice_of(sp, value))
 
 
 def get_local_grad(param: nn.Parameter) -> torch.Tensor | None:
-    engine, sp = _engine_and_shard(param)
-    grad = _grad_shard(engine, sp)
+    owner, sp = _owner_and_shard(param)
+    grad = _grad_shard(owner, sp)
     return None if grad is None else grad[: sp.shard_numel].detach().clone()
 
 
 def set_local_grad(param: nn.Parameter, value: torch.Tensor) -> None:
-    engine, sp = _engine_and_shard(param)
+    owner, sp = _owner_and_shard(param)
     value = _as_shape(value, (sp.shard_numel,), f"set_local_grad({sp.name})")
-    _set_grad_shard(engine, sp, value[: sp.local_valid_numel])
+    _set_grad_shard(owner, sp, value[: sp.local_valid_numel])
 
 
-def _set_grad_shard(engine: "Engine", sp: "ShardedParam", piece: torch.Tensor) -> None:
+def _set_grad_shard(owner: ParamOwner, sp: ShardedParam, piece: torch.Tensor) -> None:
     if not sp.requires_grad:
         raise ParamAccessError(f"{sp.name} is frozen (requires_grad=False): it has no gradient to set")
-    _grad_shard(engine, sp)
+    _grad_shard(owner, sp)
     if sp.grad_shard is None:
-        sp.grad_shard = torch.zeros(sp.shard_numel, dtype=torch.float32, device=engine.master_device)
+        sp.grad_shard = torch.zeros(sp.shard_numel, dtype=torch.float32, device=owner.master_device)
     _write_local(sp.grad_shard, sp, piece)
     sp.grad_sq_norm = None  # the sink's cached norm no longer describes grad_shard
 
 
 # ----------------------------------------------------------------- optimizer state
-def _state_of(engine: "Engine", sp: "ShardedParam") -> tuple[torch.Tensor | None, dict[str, Any]]:
-    master = _master(engine, sp)
+def _state_of(optimizer: OptimizerAccess, sp: ShardedParam) -> tuple[torch.Tensor | None, dict[str, Any]]:
+    master = optimizer.master_of(sp)
     if master is None:
         return None, {}
-    return master, engine.optimizer.optimizer.state.get(master, {})
+    return master, optimizer.state().get(master, {})
 
 
 def get_full_optimizer_state(param: nn.Parameter, key: str) -> torch.Tensor | None:
-    engine, sp = _engine_and_shard(param)
-    master, state = _state_of(engine, sp)
-    present = engine.comm.gather_objects(key in state)
+    owner, sp = _owner_and_shard(param)
+    master, state = _state_of(owner.optimizer, sp)
+    present = owner.model.comm.gather_objects(key in state)
     if not all(present):
         if any(present):
             raise ParamAccessError(f"optimizer state {key!r} of {sp.name} exists on ranks {present} only")
         return None
     value = state[key]
     if isinstance(value, torch.Tensor) and value.shape == master.shape:
-        return gather_full(engine, sp, value).cpu()
+        return gather_full(owner.model, sp, value).cpu()
     return value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value
 
 
 def set_full_optimizer_state(param: nn.Parameter, value: torch.Tensor, key: str) -> None:
-    engine, sp = _engine_and_shard(param)
+    owner, sp = _owner_and_shard(param)
     value = _as_shape(value, sp.shape, f"set_full_optimizer_state({sp.name}, {key!r})")
-    _write_state(engine, sp, key, _slice_of(sp, value))
+    _write_state(owner.optimizer, sp, key, _slice_of(sp, value))
 
 
 def get_local_optimizer_state(param: nn.Parameter, key: str) -> torch.Tensor | None:
-    engine, sp = _engine_and_shard(param)
-    _, state = _state_of(engine, sp)
+    owner, sp = _owner_and_shard(param)
+    _, state = _state_of(owner.optimizer, sp)
     value = state.get(key)
     return value.detach().clone() if isinstance(value, torch.Tensor) else value
 
 
 def set_local_optimizer_state(param: nn.Parameter, value: torch.Tensor, key: str) -> None:
-    engine, sp = _engine_and_shard(param)
+    owner, sp = _owner_and_shard(param)
     value = _as_shape(value, (sp.shard_numel,), f"set_local_optimizer_state({sp.name}, {key!r})")
-    _write_state(engine, sp, key, value[: sp.local_valid_numel])
+    _write_state(owner.optimizer, sp, key, value[: sp.local_valid_numel])
 
 
-def _write_state(engine: "Engine", sp: "ShardedParam", key: str, piece: torch.Tensor) -> None:
-    master, state = _state_of(engine, sp)
+def _write_state(optimizer: OptimizerAccess, sp: ShardedParam, key: str, piece: torch.Tensor) -> None:
+    master, state = _state_of(optimizer, sp)
     if master is None:
         raise ParamAccessError(f"{sp.name} is frozen (requires_grad=False): it has no optimizer state")
     target = state.get(key)
@@ -221,30 +214,30 @@ def _write_state(engine: "Engine", sp: "ShardedParam", key: str, piece: torch.Te
 
 
 # ----------------------------------------------------------------- whole state dict
-def full_state_dict(engine: "Engine", prefix: str = "") -> dict[str, torch.Tensor]:
+def full_state_dict(model: ShardedModel, optimizer: OptimizerAccess, prefix: str = "") -> dict[str, torch.Tensor]:
     """`module.state_dict()` with every parameter whole (compute dtype), on every rank, as
     CPU tensors the caller owns. A collective: one all-gather per parameter, in order."""
     out: dict[str, torch.Tensor] = {}
     gathered: dict[int, torch.Tensor] = {}
-    settle(engine.optimizer)
-    for name, kind, tensor in state_dict_entries(engine.module):
-        if kind == "buffer" or tensor not in engine.table:  # attached after initialize: whole already
+    optimizer.settle()
+    for name, kind, tensor in state_dict_entries(model.module):
+        if kind == "buffer" or tensor not in model.table:  # attached after initialize: whole already
             out[prefix + name] = tensor.detach().cpu().clone()
             continue
-        sp = engine.table[tensor]
+        sp = model.table[tensor]
         if id(sp) not in gathered:
-            gathered[id(sp)] = gather_full(engine, sp, sp.shard).cpu()
+            gathered[id(sp)] = gather_full(model, sp, sp.shard).cpu()
         out[prefix + name] = gathered[id(sp)]
     return out
 
 
-def load_full_state_dict(engine: "Engine", state_dict: dict[str, torch.Tensor], prefix: str,
-                         strict: bool) -> tuple[list[str], list[str]]:
+def load_full_state_dict(model: ShardedModel, optimizer: OptimizerAccess, state_dict: dict[str, torch.Tensor],
+                         prefix: str, strict: bool) -> tuple[list[str], list[str]]:
     """Write whole values into the shards, fp32 masters and buffers; no collective (every
     rank must pass the same values). Returns (missing keys, unexpected keys); with
     `strict` either is an error and nothing is written."""
-    settle(engine.optimizer)
-    entries = {prefix + name: (kind, tensor) for name, kind, tensor in state_dict_entries(engine.module)}
+    optimizer.settle()
+    entries = {prefix + name: (kind, tensor) for name, kind, tensor in state_dict_entries(model.module)}
     missing = [k for k in entries if k not in state_dict]
     unexpected = [k for k in state_dict if k not in entries]
     if strict and (missing or unexpected):
@@ -256,13 +249,13 @@ def load_full_state_dict(engine: "Engine", state_dict: dict[str, torch.Tensor], 
         if key not in state_dict:
             continue
         value = _as_shape(state_dict[key], tensor.shape, f"load_state_dict[{key!r}]")
-        if kind == "buffer" or tensor not in engine.table:
+        if kind == "buffer" or tensor not in model.table:
             with torch.no_grad():
                 tensor.copy_(value)
             continue
-        sp = engine.table[tensor]
+        sp = model.table[tensor]
         piece = _slice_of(sp, value)
-        master = _master(engine, sp)
+        master = optimizer.master_of(sp)
         if master is not None:
             _write_local(master, sp, piece.float())
         _write_weights(sp, piece, value)

@@ -17,7 +17,7 @@ import enum
 import torch
 from torch import nn
 
-from .gathered import engine_of
+from .param_owner import owner_of
 from .partition import ParamState
 from .released import plain_class, set_plain_class
 
@@ -40,10 +40,10 @@ class ZeroParameter(nn.Parameter):
 
     @property
     def ds_status(self) -> ZeroParamStatus:
-        engine = engine_of(self)
-        if engine is None:  # the engine was destroyed: the parameter is whole again
+        owner = owner_of(self)
+        if owner is None:  # the engine was destroyed: the parameter is whole again
             return ZeroParamStatus.AVAILABLE
-        return _STATUS[engine.table[self].state]
+        return _STATUS[owner.model.table[self].state]
 
     @property
     def ds_shape(self) -> torch.Size:

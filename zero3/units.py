@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from .fetch import FetchUnit
+from .param_owner import owner_of
 from .partition import ShardedParam
 
 #: DeepSpeed never sets a module with more elements than this as a leaf by granularity.
@@ -62,9 +63,7 @@ def _matches_class(module: nn.Module, classes: Sequence[type | str]) -> bool:
 
 
 def _refuse_if_managed(model: nn.Module, what: str) -> None:
-    from .gathered import engine_of
-
-    if any(engine_of(p) is not None for p in model.parameters()):
+    if any(owner_of(p) is not None for p in model.parameters()):
         raise LeafModuleError(
             f"{what} was called on a model that zero3.initialize already manages: its fetch "
             "units are built and the call would have no effect. Call it before "
