@@ -11,6 +11,9 @@ no cleanup, no finally), then kills the other one as a launcher would. The point
 Then fresh processes load the directory: `latest` still names the good checkpoint and it
 loads exactly; the interrupted one is reported incomplete (the first two), or is complete
 but not `latest` (the third).
+
+The same kills during a save that overwrites the good tag itself (a rolling checkpoint):
+the tag keeps its previous save, which loads exactly, at both points.
 """
 
 from __future__ import annotations
@@ -39,6 +42,10 @@ SCENARIOS = {
     "before-manifest": "shards-written@0",
     "before-latest": "manifest-written@0",
 }
+OVERWRITE_SCENARIOS = {
+    "overwrite-mid-shard": "shard-partial@1",
+    "overwrite-before-swap": "manifest-written@0",
+}
 
 
 def build_engine(width: int = 24, dropout: float = 0.0):
@@ -64,7 +71,7 @@ def train(engine, rank: int, world: int, first: int, count: int) -> list[float]:
     return losses
 
 
-def fault_child(rank: int, world: int, port: int, root: str, pause: str, marker: str) -> None:
+def fault_child(rank: int, world: int, port: int, root: str, pause: str, marker: str, second_tag: str) -> None:
     """Runs in its own process until the test kills it; exit code 3 means no pause happened."""
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                        "WORLD_SIZE": str(world), "ZERO3_ACCELERATOR": "cpu"})
@@ -85,7 +92,7 @@ def fault_child(rank: int, world: int, port: int, root: str, pause: str, marker:
     train(engine, rank, world, 2, 1)
     os.environ["ZERO3_CHECKPOINT_PAUSE"] = pause
     os.environ["ZERO3_CHECKPOINT_PAUSE_MARKER"] = marker
-    engine.save_checkpoint(root, tag="bad")
+    engine.save_checkpoint(root, tag=second_tag)
     os._exit(3)
 
 
@@ -103,16 +110,17 @@ def distinct_ports(count: int) -> list[int]:
             s.close()
 
 
-def crash_all(tmp_path: Path) -> dict[str, dict]:
+def crash_all(tmp_path: Path, scenarios: dict[str, str], second_tag: str = "bad") -> dict[str, dict]:
     """Start every scenario at once; SIGKILL each at its pause point; what was seen."""
     ctx = mp.get_context("spawn")
     running = {}
-    ports = distinct_ports(len(SCENARIOS))
-    for (name, pause), port in zip(SCENARIOS.items(), ports):
+    ports = distinct_ports(len(scenarios))
+    for (name, pause), port in zip(scenarios.items(), ports):
         base = tmp_path / name
         base.mkdir()
         marker = base / "paused.pid"
-        procs = [ctx.Process(target=fault_child, args=(r, 2, port, str(base / "ckpt"), pause, str(marker)))
+        procs = [ctx.Process(target=fault_child,
+                             args=(r, 2, port, str(base / "ckpt"), pause, str(marker), second_tag))
                  for r in range(2)]
         for p in procs:
             p.start()
@@ -153,12 +161,12 @@ def kill_at_pause(procs, marker: Path, root: Path) -> dict:
             "files": sorted(p.name for p in bad.iterdir()) if bad.is_dir() else []}
 
 
-def load_after_crash(rank: int, world: int, base: str) -> dict:
+def load_after_crash(rank: int, world: int, base: str, names: list[str]) -> dict:
     import zero3
     from zero3.export import consolidated_state_dict
 
     out = {}
-    for name in SCENARIOS:
+    for name in names:
         root = Path(base) / name / "ckpt"
         engine = build_engine()
         path, _ = engine.load_checkpoint(str(root))
@@ -182,7 +190,7 @@ def cli(*args: str) -> tuple[int, str]:
 
 
 def test_sigkill_during_save_never_costs_the_last_good_checkpoint(tmp_path):
-    seen = crash_all(tmp_path)
+    seen = crash_all(tmp_path, SCENARIOS)
     assert seen["mid-shard"]["victim"] == 1 and seen["before-manifest"]["victim"] == 0
     for name, s in seen.items():
         assert s["exitcodes"] == [-signal.SIGKILL] * 2, (name, s)
@@ -199,7 +207,7 @@ def test_sigkill_during_save_never_costs_the_last_good_checkpoint(tmp_path):
             "common.pt"} <= set(seen["before-manifest"]["files"])
     assert "manifest.json" in seen["before-latest"]["files"]
 
-    results = run_ranks(load_after_crash, 2, str(tmp_path))
+    results = run_ranks(load_after_crash, 2, str(tmp_path), list(SCENARIOS))
     for rank, per in enumerate(results):
         for name, r in per.items():
             good_state = torch.load(tmp_path / name / "good_state.pt", weights_only=True)
@@ -230,6 +238,30 @@ def test_sigkill_during_save_never_costs_the_last_good_checkpoint(tmp_path):
         assert cli("checkpoint", "verify", str(root))[0] == 0  # `latest` and its checkpoint are fine
     assert "half-written: rank00001-of-00002.safetensors.tmp" in cli(
         "checkpoint", "inspect", str(tmp_path / "mid-shard" / "ckpt"))[1]
+
+
+def test_sigkill_while_overwriting_a_tag_keeps_its_previous_save(tmp_path):
+    seen = crash_all(tmp_path, OVERWRITE_SCENARIOS, second_tag="good")
+    for name, s in seen.items():
+        assert s["exitcodes"] == [-signal.SIGKILL] * 2, (name, s)
+        root = tmp_path / name / "ckpt"
+        assert (root / "latest").read_text() == "good", name
+        staged = sorted(p.name for p in (root / ".good.incoming").iterdir())
+        assert (root / "good" / "manifest.json").is_file(), name  # the previous save, still committed
+        if name == "overwrite-before-swap":  # the new save is complete, but not yet in the tag's place
+            assert "manifest.json" in staged, staged
+        else:
+            assert "rank00001-of-00002.safetensors.tmp" in staged and "manifest.json" not in staged, staged
+    for rank, per in enumerate(run_ranks(load_after_crash, 2, str(tmp_path), list(OVERWRITE_SCENARIOS))):
+        for name, r in per.items():
+            assert r["good"]["path"] == str(tmp_path / name / "ckpt" / "good"), (rank, name)
+            assert r["good"]["steps"] == 2, (rank, name)  # the previous save, not the interrupted one
+            if rank == 0:
+                good_state = torch.load(tmp_path / name / "good_state.pt", weights_only=True)
+                for key, value in good_state.items():
+                    assert torch.equal(r["good"]["state"][key], value), (name, key)
+    code, text = cli("checkpoint", "inspect", str(tmp_path / "overwrite-before-swap" / "ckpt"))
+    assert code == 0 and ".good.incoming" not in text and "latest: good\n" in text
 
 
 # ------------------------------------------------------------------------ soak

@@ -7,9 +7,10 @@ otherwise), which gives the genuine ENOSPC of a full disk. One 2-rank launch:
   2. fills the disk so that exactly the files of one more tag fit, and saves `good_c`:
      every file fits but the new `latest` does not: the error names `latest.tmp` on both
      ranks, `latest.tmp` is gone and `latest` still names good_b, which loads;
-  3. overwrites `good_b` with a client_state larger than the disk: the error names
-     `common.pt.tmp`; the folder holds no `.tmp`, and a tag-less load falls back to the
-     newest complete checkpoint, `good_a`, exactly.
+  3. overwrites `good_b` with a client_state larger than the disk: the save writes into
+     `good_b`'s staging folder, so the error names `.good_b.incoming/common.pt.tmp`; no
+     `.tmp` and no staging folder is left, and `good_b` itself, untouched, still loads
+     exactly.
 """
 
 from __future__ import annotations
@@ -72,8 +73,9 @@ def disk_worker(rank: int, world: int, root: str) -> dict:
         engine.step()
     step()
     engine.save_checkpoint(str(root), tag="good_a")
-    state_a = consolidated_state_dict(engine)
+    step()
     engine.save_checkpoint(str(root), tag="good_b")
+    state_b = consolidated_state_dict(engine)
     if rank == 0:
         _fill_leaving(root, root / "good_b")
     dist.barrier()
@@ -87,11 +89,11 @@ def disk_worker(rank: int, world: int, root: str) -> dict:
     dist.barrier()
     blob = torch.zeros(512 * 1024)  # 2 MiB of client_state on a 1 MiB disk
     out["overwrite_full"] = _save_error(engine, root, "good_b", client_state={"blob": blob})
-    out["after_overwrite_full"] = _temporaries(root)
+    out["after_overwrite_full"] = (_temporaries(root), sorted(p.name for p in root.iterdir()))
     step()
-    out["load_fallback"] = engine.load_checkpoint(str(root))[0]
+    out["load_after_overwrite"] = engine.load_checkpoint(str(root))[0]
     state = consolidated_state_dict(engine)
-    out["exact_a"] = all(torch.equal(state[k], state_a[k]) for k in state_a)
+    out["exact_b"] = all(torch.equal(state[k], state_b[k]) for k in state_b)
     return out
 
 
@@ -119,11 +121,11 @@ def test_full_disk_at_latest_names_it_and_leaves_no_tmp(results, tmpfs):
         assert out["load_b"] == str(tmpfs / "good_b")
 
 
-def test_full_disk_while_overwriting_a_tag_loses_nothing_valid(results, tmpfs):
+def test_full_disk_while_overwriting_a_tag_keeps_the_tag_as_it_was(results, tmpfs):
     for out in results:
         message = out["overwrite_full"]
         assert message.startswith("CheckpointError"), message
-        assert str(tmpfs / "good_b" / "common.pt.tmp") in message and "No space left" in message, message
-        assert out["after_overwrite_full"] == []
-        assert out["load_fallback"] == str(tmpfs / "good_a")
-        assert out["exact_a"] is True
+        assert str(tmpfs / ".good_b.incoming" / "common.pt.tmp") in message and "No space left" in message, message
+        assert out["after_overwrite_full"] == ([], ["good_a", "good_b", "latest"])
+        assert out["load_after_overwrite"] == str(tmpfs / "good_b")
+        assert out["exact_b"] is True

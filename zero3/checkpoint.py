@@ -37,13 +37,18 @@ master, optimizer state kinds), buffers, tied-parameter aliases; and a sha256 of
 that, so a damaged manifest is itself detected.
 
 Commit protocol (`save`):
-  1. rank 0 refuses a tag folder holding files zero3 did not write, removes the tag's
-     old manifest (from here on the tag is incomplete) and then its other files;
+  1. rank 0 refuses a tag folder holding files zero3 did not write. The save writes into
+     the tag's folder, emptied first, unless that folder holds a committed checkpoint:
+     then into a hidden staging folder beside it (folder_swap.py), so the previous save
+     of the tag stays loadable until the new one replaces it whole;
   2. every rank writes its files under `<name>.tmp`, fsyncs, renames, fsyncs the folder;
-  3. rank 0 writes the manifest the same way (temporary name, fsync, rename, fsync);
+  3. rank 0 writes the manifest the same way (temporary name, fsync, rename, fsync),
+     and a staging folder then takes the tag's place (an atomic exchange where the file
+     system has one);
   4. only then rank 0 writes `latest` the same way (unless save_latest=False).
 A failure on any rank raises on every rank (never a hang). A crash anywhere before
-step 3 completes leaves a folder without a manifest: incomplete, never loaded.
+step 3 completes leaves a folder without a manifest: incomplete, never loaded; when the
+tag was committed before, it still holds that previous save.
 
 Choosing what to load (`resolve_tag`):
   - tag given: that folder; missing -> (None, None) and a warning, as DeepSpeed; present
@@ -85,6 +90,7 @@ import json
 import logging
 import os
 import random
+import shutil
 import sys
 import time
 from contextlib import nullcontext
@@ -105,6 +111,7 @@ from .counters import StepCounters
 from .ds_layout import DeepSpeedCheckpoint, deepspeed_tag_folder
 from .export import (TensorSpec, fsync_dir, on_every_rank, parameter_aliases, persistent_buffers, removed_on_failure,
                      write_consolidated, write_safetensors)
+from .folder_swap import put_in_place, replaced_folder, staging_folder
 from .late_params import LATE_KEY, late_layout, restore_late, unmanaged_parameters
 from .partition import ParamState, ShardedParam
 from .precision import LossScaler
@@ -118,7 +125,8 @@ PAUSE_MARKER_ENV = "ZERO3_CHECKPOINT_PAUSE_MARKER"
 PAUSE_PHASES = {
     "shard-partial": "a rank's shard file is half written (header and first tensor)",
     "shards-written": "rank 0, after every rank committed its files, before the manifest",
-    "manifest-written": "rank 0, after the manifest is committed, before `latest`",
+    "manifest-written": "rank 0, after the manifest is committed (in the staging folder when the save "
+                        "replaces a committed tag, not yet in its place), before `latest`",
 }
 
 
@@ -320,15 +328,35 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _prepare_folder(folder: Path) -> None:
-    """Rank 0: make `folder` an empty, incomplete tag; refuse files zero3 did not write."""
+def _folder_to_write(folder: Path) -> Path:
+    """Rank 0: the empty folder this save writes into: `folder` itself, or, when `folder`
+    holds a committed checkpoint, its staging folder (put in its place at commit)."""
     folder.mkdir(parents=True, exist_ok=True)
+    _refuse_foreign_entries(folder)
+    if not (folder / MANIFEST).is_file():
+        _prepare_folder(folder)
+        return folder
+    staging = staging_folder(folder)
+    shutil.rmtree(replaced_folder(folder), ignore_errors=True)  # left by a crash after an earlier swap
+    if staging.exists():
+        shutil.rmtree(staging)  # an earlier interrupted save over this tag
+    _prepare_folder(staging)
+    return staging
+
+
+def _refuse_foreign_entries(folder: Path) -> None:
     foreign = sorted(p.name for p in folder.iterdir() if not (p.is_file() and OWN_FILE.match(p.name)))
     if foreign:
         raise CheckpointError(
             f"checkpoint folder {folder} holds entries zero3 did not write: {foreign}; save under "
             "another tag or move them away (nothing was changed)"
         )
+
+
+def _prepare_folder(folder: Path) -> None:
+    """Rank 0: make `folder` an empty, incomplete tag; refuse files zero3 did not write."""
+    folder.mkdir(parents=True, exist_ok=True)
+    _refuse_foreign_entries(folder)
     (folder / MANIFEST).unlink(missing_ok=True)  # the tag is incomplete from here on
     fsync_dir(folder)
     for stale in folder.iterdir():
@@ -378,12 +406,28 @@ def save(state: TrainingState, save_dir, tag, client_state: dict, save_latest: b
     tag = _agree_on_tag(comm, tag, tag_validation)
     root = Path(save_dir)
     folder = root / tag
-    on_every_rank(comm, lambda: _prepare_folder(folder) if rank == 0 else None, CheckpointError)
+    chosen = on_every_rank(comm, lambda: str(_folder_to_write(folder)) if rank == 0 else None, CheckpointError)
+    write_to = Path(comm.gather_objects(chosen)[0])
+    try:
+        _write_and_commit(state, root, tag, write_to, client_state, save_latest, exclude_frozen, write_16bit_model)
+    except CheckpointError:
+        if rank == 0 and write_to != folder and (folder / MANIFEST).is_file():
+            shutil.rmtree(write_to, ignore_errors=True)  # the tag still holds its previous save, whole
+        raise
+    return True
+
+
+def _write_and_commit(state: TrainingState, root: Path, tag: str, write_to: Path, client_state: dict,
+                      save_latest: bool, exclude_frozen: bool, write_16bit_model: bool) -> None:
+    """Steps 2-4 of the commit protocol, into `write_to` (the tag's folder or its staging folder)."""
+    model = state.model
+    comm = model.comm
+    rank = comm.rank
     written, kinds = on_every_rank(
-        comm, lambda: _write_rank_files(state, folder, client_state, exclude_frozen), CheckpointError)
+        comm, lambda: _write_rank_files(state, write_to, client_state, exclude_frozen), CheckpointError)
     if write_16bit_model:
         digest = on_every_rank(comm, lambda: write_consolidated(
-            model, state.optimizer, folder / MODEL_16BIT, dtype=model.compute_dtype, exclude_frozen=exclude_frozen),
+            model, state.optimizer, write_to / MODEL_16BIT, dtype=model.compute_dtype, exclude_frozen=exclude_frozen),
             CheckpointError)
         if rank == 0:
             written[MODEL_16BIT] = digest
@@ -398,13 +442,14 @@ def save(state: TrainingState, save_dir, tag, client_state: dict, save_latest: b
         for part in all_written:
             files.update(part)
         manifest = _manifest(model, state.counters, tag, files, _merge_kinds(all_kinds), exclude_frozen)
-        _write_bytes_atomically(folder / MANIFEST, json.dumps(seal(manifest), indent=1).encode())
+        _write_bytes_atomically(write_to / MANIFEST, json.dumps(seal(manifest), indent=1).encode())
         pause_point("manifest-written", rank)
+        if write_to != root / tag:
+            put_in_place(write_to, root / tag)
         if save_latest:
             _write_bytes_atomically(root / LATEST, tag.encode())
 
     on_every_rank(comm, commit, CheckpointError)
-    return True
 
 
 def _merge_kinds(all_kinds: list[dict]) -> dict:

@@ -248,7 +248,8 @@ def tag_info(folder: Path) -> TagInfo:
 def list_tags(root: Path) -> list[TagInfo]:
     """Every checkpoint-looking folder under `root`, oldest first (committed ones by step)."""
     root = Path(root)
-    infos = [tag_info(p) for p in sorted(root.iterdir()) if looks_like_checkpoint(p)] if root.is_dir() else []
+    infos = [tag_info(p) for p in sorted(root.iterdir())
+             if not p.name.startswith(".") and looks_like_checkpoint(p)] if root.is_dir() else []
     return sorted(infos, key=_age)
 
 
@@ -280,6 +281,7 @@ def resolve_tag(root: Path, tag) -> tuple[str | None, str | None]:
         return named, None
     committed = [info for info in list_tags(root) if info.complete]
     why = "has no folder" if not folder.is_dir() else f"has no {MANIFEST} (its save was interrupted)"
+    why += _hidden_saves_note(root, named)
     if not committed:
         raise CheckpointError(
             f"{root / LATEST} names tag {named!r}, which {why}, and {root} holds no other complete "
@@ -290,6 +292,17 @@ def resolve_tag(root: Path, tag) -> tuple[str | None, str | None]:
         f"zero3: {root / LATEST} names tag {named!r}, which {why}; loading the newest complete "
         f"checkpoint instead: {chosen.tag!r} (global step {chosen.manifest['global_steps']})"
     )
+
+
+def _hidden_saves_note(root: Path, tag: str) -> str:
+    """Where complete saves of `tag` wait in hidden folders after a crash while one folder
+    replaced the other (folder_swap.py, on file systems without an atomic exchange)."""
+    hidden = [root / f".{tag}.{kind}" for kind in ("incoming", "replaced")]
+    complete = [str(folder) for folder in hidden if (folder / MANIFEST).is_file()]
+    if not complete:
+        return ""
+    return (f"; a save replacing it was interrupted between two renames, and {' and '.join(complete)} hold "
+            f"complete saves of it (.incoming the newer): rename one to {tag!r} to load it")
 
 
 # ----------------------------------------------------------------------- reader
