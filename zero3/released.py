@@ -270,6 +270,8 @@ def _changes_nothing(func: Any, args: tuple, kwargs: dict) -> bool:
         return not args[1:] and _CONVERSIONS[name] == tensor.dtype
     if name == "cpu":
         return tensor.device.type == "cpu"
+    if name == "cuda":
+        return _cuda_changes_nothing(tensor, args[1] if len(args) > 1 else kwargs.get("device"))
     if name != "to":
         return False
     try:
@@ -279,6 +281,16 @@ def _changes_nothing(func: Any, args: tuple, kwargs: dict) -> bool:
     return ((device is None or _same_device(torch.device(device), tensor.device))
             and (dtype is None or dtype == tensor.dtype)
             and memory_format in (None, torch.preserve_format))
+
+
+def _cuda_changes_nothing(tensor: torch.Tensor, device: Any) -> bool:
+    """`tensor.cuda(device)` returns `tensor` itself: it is on that CUDA device already."""
+    if tensor.device.type != "cuda":
+        return False
+    if device is None:
+        return tensor.device.index == torch.cuda.current_device()
+    wanted = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    return _same_device(wanted, tensor.device)
 
 
 def _same_device(wanted: torch.device, have: torch.device) -> bool:

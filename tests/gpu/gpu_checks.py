@@ -319,14 +319,23 @@ def check_sealed_on_cuda() -> None:
             call()
         except ReleasedParameterError:
             refused.append(name)
+    moves = []
+    for name, call in (("module.cuda()", lambda: engine.module.cuda()), ("module.to(device)", lambda: engine.module.to(DEVICE)),
+                       ("weight.cuda()", lambda: weight.cuda())):
+        try:
+            call()
+            moves.append(name)
+        except ReleasedParameterError:
+            pass
     with zero3.GatheredParameters([weight]):
         same = torch.equal(weight.detach().cpu(), before["embed.weight"])
     x, y = make_batches(3, MICRO)[2]
     loss = engine(x.to(DEVICE), y.to(DEVICE))
     engine.backward(loss)
     engine.step()
-    check("sealed CUDA parameter", refused == ["sum", "add_", "half", "cpu"] and same and math.isfinite(loss.item()),
-          f"refused {refused}, values unchanged {same}, next loss {loss.item():.4f}, device {weight.device}")
+    ok = refused == ["sum", "add_", "half", "cpu"] and len(moves) == 3 and same and math.isfinite(loss.item())
+    check("sealed CUDA parameter", ok, f"refused {refused}, no-op moves allowed {moves}, values unchanged {same}, "
+          f"next loss {loss.item():.4f}, device {weight.device}")
 
 
 def main() -> None:
