@@ -199,10 +199,11 @@ def direct_touch_checks(rank: int, world: int) -> dict:
     l1, _ = _two_linears()  # zero3.Init, before initialize
     with zero3.zero.Init(config_dict_or_path=INIT_CONFIG):
         kept = nn.Linear(6, 6)
-        kept_data, kept_view = kept.weight.data, kept.weight.t()  # aliases kept past the settle
+        kept_data, kept_view, kept_t = kept.weight.data, kept.weight.t(), kept.weight.T  # kept past the settle
         nn.Linear(6, 6)
     out["init_touches"] = {"kept_data": _error_of(lambda: kept_data.sum()),
-                           "kept_view": _error_of(lambda: kept_view.add_(1.0)),"add_": _error_of(lambda: l1.weight.data.add_(1.0)),
+                           "kept_view": _error_of(lambda: kept_view.add_(1.0)),
+                           "kept_T": _error_of(lambda: kept_t.sum()),"add_": _error_of(lambda: l1.weight.data.add_(1.0)),
                            "sum": _error_of(lambda: l1.weight.sum()),
                            "to_half": _error_of(lambda: l1.to(torch.float16)),
                            "to_same": _error_of(lambda: l1.to("cpu"))}
@@ -293,7 +294,7 @@ def test_values_come_back_inside_gathered_parameters_and_training_goes_on(result
 def test_init_parameters_touched_before_initialize_get_a_named_error(results):
     for out in results:
         touches = out["direct"]["init_touches"]
-        for call in ("add_", "sum", "to_half", "kept_data", "kept_view"):
+        for call in ("add_", "sum", "to_half", "kept_data", "kept_view", "kept_T"):
             assert touches[call].startswith("ReleasedParameterError"), (call, touches[call])
         assert touches["to_same"] == "no error"
         assert out["direct"]["init_gathered"] == out["direct"]["init_gathered"]  # a number, gathered

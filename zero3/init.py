@@ -49,6 +49,7 @@ from .comm import Communicator
 from .partition import owned_range, shard_numel_for
 from .released import (
     METADATA_METHODS,
+    VIEW_ATTRIBUTES,
     ReleasedParameterError,
     describe,
     guard_state_dict,
@@ -127,8 +128,9 @@ def _is_data_assignment(func: Any) -> bool:
 def _touches_values(func: Any) -> bool:
     """Whether a torch function call may read or write a tensor argument's values."""
     owner = getattr(func, "__self__", None)
-    if type(owner).__name__ == "getset_descriptor":  # an attribute: only `.data` aliases values
-        return getattr(owner, "__name__", "") == "data"
+    if type(owner).__name__ == "getset_descriptor":  # an attribute: `.data` and views (`.T`) alias values
+        name = getattr(owner, "__name__", "")
+        return name == "data" or name in VIEW_ATTRIBUTES
     return getattr(func, "__name__", "") not in METADATA_METHODS
 
 

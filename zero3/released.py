@@ -127,7 +127,7 @@ _ALIAS_OR_HOOK = frozenset({
 })
 
 # Attributes that compute a new view of the values (`p.T`): refused like any view.
-_VIEW_ATTRIBUTES = frozenset({"T", "mT", "H", "mH", "real", "imag"})
+VIEW_ATTRIBUTES = frozenset({"T", "mT", "H", "mH", "real", "imag"})
 
 _CONVERSIONS = {"float": torch.float32, "double": torch.float64, "half": torch.float16,
                 "bfloat16": torch.bfloat16}
@@ -254,7 +254,7 @@ def _is_metadata(func: Any, args: tuple, kwargs: dict) -> bool:
     if type(owner).__name__ == "getset_descriptor":  # an attribute read or write
         if name == "__set__" and owner.__name__ == "data":
             return len(args) > 1 and args[1] is args[0]  # `p.data = p`, as module.to() does
-        return owner.__name__ not in _VIEW_ATTRIBUTES
+        return owner.__name__ not in VIEW_ATTRIBUTES
     if name == "type":
         return len(args) == 1 and not kwargs  # `p.type()` names the type; with a type it converts
     return name in METADATA_METHODS or name in _ALIAS_OR_HOOK
