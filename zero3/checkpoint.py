@@ -331,15 +331,13 @@ def _dtype_name(dtype: torch.dtype) -> str:
 def _folder_to_write(folder: Path) -> Path:
     """Rank 0: the empty folder this save writes into: `folder` itself, or, when `folder`
     holds a committed checkpoint, its staging folder (put in its place at commit)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    _refuse_foreign_entries(folder)
     if not (folder / MANIFEST).is_file():
         _prepare_folder(folder)
         return folder
+    _refuse_foreign_entries(folder)
     staging = staging_folder(folder)
     shutil.rmtree(replaced_folder(folder), ignore_errors=True)  # left by a crash after an earlier swap
-    if staging.exists():
-        shutil.rmtree(staging)  # an earlier interrupted save over this tag
+    shutil.rmtree(staging, ignore_errors=True)  # an earlier interrupted save over this tag
     _prepare_folder(staging)
     return staging
 
@@ -410,9 +408,10 @@ def save(state: TrainingState, save_dir, tag, client_state: dict, save_latest: b
     write_to = Path(comm.gather_objects(chosen)[0])
     try:
         _write_and_commit(state, root, tag, write_to, client_state, save_latest, exclude_frozen, write_16bit_model)
-    except CheckpointError:
+    except CheckpointError:  # raised on every rank alike (on_every_rank), so all of them are here
         if rank == 0 and write_to != folder and (folder / MANIFEST).is_file():
             shutil.rmtree(write_to, ignore_errors=True)  # the tag still holds its previous save, whole
+        comm.gather_objects(None)  # no rank returns before the staging folder is gone
         raise
     return True
 

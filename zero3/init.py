@@ -51,6 +51,7 @@ from .released import (
     METADATA_METHODS,
     VIEW_ATTRIBUTES,
     ReleasedParameterError,
+    attribute_of,
     describe,
     guard_state_dict,
     is_released,
@@ -120,17 +121,14 @@ def _overwritten(func: Any, args: tuple, kwargs: dict) -> torch.Tensor | None:
 
 def _is_data_assignment(func: Any) -> bool:
     """`param.data = tensor` (the `data` attribute's setter)."""
-    owner = getattr(func, "__self__", None)
-    return (type(owner).__name__ == "getset_descriptor" and getattr(owner, "__name__", "") == "data"
-            and getattr(func, "__name__", "") == "__set__")
+    return attribute_of(func) == "data" and getattr(func, "__name__", "") == "__set__"
 
 
 def _touches_values(func: Any) -> bool:
     """Whether a torch function call may read or write a tensor argument's values."""
-    owner = getattr(func, "__self__", None)
-    if type(owner).__name__ == "getset_descriptor":  # an attribute: `.data` and views (`.T`) alias values
-        name = getattr(owner, "__name__", "")
-        return name == "data" or name in VIEW_ATTRIBUTES
+    attribute = attribute_of(func)
+    if attribute is not None:  # an attribute: `.data` and views (`.T`) alias values
+        return attribute == "data" or attribute in VIEW_ATTRIBUTES
     return getattr(func, "__name__", "") not in METADATA_METHODS
 
 

@@ -248,13 +248,20 @@ def _call_sealed(func: Any, args: tuple, kwargs: dict) -> Any:
     )
 
 
-def _is_metadata(func: Any, args: tuple, kwargs: dict) -> bool:
+def attribute_of(func: Any) -> str | None:
+    """The tensor attribute a torch function call reads or writes (`"data"` for
+    `Tensor.data.__set__`), or None when the call is not an attribute access."""
     owner = getattr(func, "__self__", None)
+    return owner.__name__ if type(owner).__name__ == "getset_descriptor" else None
+
+
+def _is_metadata(func: Any, args: tuple, kwargs: dict) -> bool:
     name = getattr(func, "__name__", "")
-    if type(owner).__name__ == "getset_descriptor":  # an attribute read or write
-        if name == "__set__" and owner.__name__ == "data":
+    attribute = attribute_of(func)
+    if attribute is not None:  # an attribute read or write
+        if name == "__set__" and attribute == "data":
             return len(args) > 1 and args[1] is args[0]  # `p.data = p`, as module.to() does
-        return owner.__name__ not in VIEW_ATTRIBUTES
+        return attribute not in VIEW_ATTRIBUTES
     if name == "type":
         return len(args) == 1 and not kwargs  # `p.type()` names the type; with a type it converts
     return name in METADATA_METHODS or name in _ALIAS_OR_HOOK
@@ -307,8 +314,8 @@ def _seal_released(result: Any) -> Any:
 
 
 def _call_name(func: Any) -> str:
-    owner = getattr(func, "__self__", None)
-    if type(owner).__name__ == "getset_descriptor":
+    attribute = attribute_of(func)
+    if attribute is not None:
         verb = "reading" if getattr(func, "__name__", "") == "__get__" else "assigning"
-        return f"{verb} `.{owner.__name__}`"
+        return f"{verb} `.{attribute}`"
     return f"`{getattr(func, '__qualname__', None) or getattr(func, '__name__', repr(func))}`"
