@@ -50,9 +50,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
-# Benchmark the working tree's zero3 (the editable install points here too).
-if ROOT not in sys.path:
-    sys.path.insert(1, ROOT)
+# Benchmark the working tree's zero3 (the editable install points here too), or the tree
+# named by ZERO3_TREE (a baseline copy, for A/B runs).
+ZERO3_TREE = os.path.abspath(os.environ.get("ZERO3_TREE", ROOT))
+if ZERO3_TREE not in sys.path:
+    sys.path.insert(1, ZERO3_TREE)
 
 ALL_PEERS = ("ddp", "fsdp2", "deepspeed", "zero3")
 
@@ -427,9 +429,22 @@ def _git_rev() -> str:
                              capture_output=True, text=True, timeout=10).stdout.strip()
         dirty = subprocess.run(["git", "-C", ROOT, "status", "--porcelain", "--", "zero3"],
                                capture_output=True, text=True, timeout=10).stdout.strip()
-        return (rev or "?") + ("+dirty" if dirty else "")
+        return (rev or "?") + ("+dirty" if dirty else "") + ", " + _zero3_sources()
     except Exception:
-        return "?"
+        return "? " + _zero3_sources()
+
+
+def _zero3_sources() -> str:
+    """Where zero3 is imported from and a digest of its sources, so A/B runs name their tree."""
+    import hashlib
+    import pathlib
+
+    import zero3
+    package = pathlib.Path(zero3.__file__).parent
+    digest = hashlib.sha1()
+    for path in sorted(package.rglob("*.py")):
+        digest.update(path.relative_to(package).as_posix().encode() + path.read_bytes())
+    return f"zero3 from {package} (sources sha1 {digest.hexdigest()[:10]})"
 
 
 def _all_gather_obj(ctx, obj):

@@ -3,15 +3,18 @@
 # wheels carried in .whl/ installed into /tmp/site, the CUDA checks, then the 1B Llama
 # step-time comparison of bench/gpu_run.sh (plain, FSDP2, DeepSpeed 0.19.8, zero3).
 #   STAGE=checks|llama1b|hf  (default: checks and llama1b)
+#   ZERO3_TREE=dir           import zero3 from dir instead (a baseline tree, for A/B runs)
 set -u
 out=${OUT:-bench/out}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-        2>&1 | grep -v "WARNING: Target directory" | tail -3
-    export PYTHONPATH=/tmp/site:$PWD
+    # By project name, so pip picks the wheel that fits this interpreter (several may be carried).
+    projects=$(ls .whl/*.whl | xargs -n1 basename | cut -d- -f1 | sort -u)
+    python3 -m pip install -q --no-index --find-links .whl --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site $projects 2>&1 | grep -v "WARNING: Target directory" | tail -3
+    export PYTHONPATH=/tmp/site:${ZERO3_TREE:-$PWD}
 else
-    export PYTHONPATH=$PWD
+    export PYTHONPATH=${ZERO3_TREE:-$PWD}
 fi
 python3 - <<'PY'
 import importlib
@@ -32,7 +35,7 @@ if [[ $stage == *llama1b* ]]; then
     llama_1b="--model llama --width 2048 --layers 16 --intermediate 5632 --heads 16 --vocab 32000 --seq 2048"
     timeout 330 torchrun --standalone --nproc_per_node=1 bench/cpu_bench.py --device cuda --dtype bf16 $llama_1b \
         --micro-batch 2 --steps 6 --warmup 2 --rounds 2 --peers "${PEERS_1B:-plain,fsdp2,deepspeed,zero3}" \
-        2>&1 | tee "$out/h200_1b.log" | grep -v Warning | tail -40
+        2>&1 | tee "$out/llama1b.log" | grep -v Warning | tail -40
 fi
 if [[ $stage == *hf* ]]; then
     timeout ${HF_TIMEOUT:-500} python3 bench/hf_sft_bench.py ${HF_ARGS:-} 2>&1 | tee "$out/hf_sft.log" | grep -v Warning | tail -40
