@@ -155,7 +155,8 @@ def _metadata_of(model: nn.Module, param: nn.Parameter) -> dict:
     return {"shape": tuple(param.shape), "dtype": str(param.dtype), "numel": param.numel(),
             "requires_grad": param.requires_grad, "is_parameter": isinstance(param, nn.Parameter),
             "repr": repr(param), "format": f"{param}", "alias_shape": tuple(alias.shape),
-            "same_object": model.to("cpu") is model}
+            "same_object": model.to("cpu") is model,
+            "cpu_index": model.to(torch.device("cpu", 0)) is model}  # Accelerate's prepare_model on CPU
 
 
 def _full_values(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -206,7 +207,8 @@ def direct_touch_checks(rank: int, world: int) -> dict:
                            "kept_T": _error_of(lambda: kept_t.sum()),"add_": _error_of(lambda: l1.weight.data.add_(1.0)),
                            "sum": _error_of(lambda: l1.weight.sum()),
                            "to_half": _error_of(lambda: l1.to(torch.float16)),
-                           "to_same": _error_of(lambda: l1.to("cpu"))}
+                           "to_same": _error_of(lambda: l1.to("cpu")),
+                           "to_cpu_index": _error_of(lambda: l1.to(torch.device("cpu", 0)))}
     with zero3.zero.GatheredParameters([l1.weight]):
         out["init_gathered"] = float(l1.weight.detach().sum())
     return out
@@ -277,7 +279,7 @@ def test_metadata_and_no_op_moves_of_a_sharded_parameter_still_work(results):
         assert meta["shape"] == (24, 13) and meta["dtype"] == "torch.float32" and meta["numel"] == 312
         assert meta["requires_grad"] is True and meta["is_parameter"] is True
         assert "sharded by zero3" in meta["repr"] and "sharded by zero3" in meta["format"]
-        assert meta["alias_shape"] == (24, 13) and meta["same_object"] is True
+        assert meta["alias_shape"] == (24, 13) and meta["same_object"] is True and meta["cpu_index"] is True
 
 
 def test_values_come_back_inside_gathered_parameters_and_training_goes_on(results):
@@ -296,5 +298,5 @@ def test_init_parameters_touched_before_initialize_get_a_named_error(results):
         touches = out["direct"]["init_touches"]
         for call in ("add_", "sum", "to_half", "kept_data", "kept_view", "kept_T"):
             assert touches[call].startswith("ReleasedParameterError"), (call, touches[call])
-        assert touches["to_same"] == "no error"
+        assert touches["to_same"] == "no error" and touches["to_cpu_index"] == "no error"
         assert out["direct"]["init_gathered"] == out["direct"]["init_gathered"]  # a number, gathered

@@ -301,7 +301,11 @@ def _cuda_changes_nothing(tensor: torch.Tensor, device: Any) -> bool:
 
 
 def _same_device(wanted: torch.device, have: torch.device) -> bool:
-    return wanted.type == have.type and (wanted.index is None or wanted.index == have.index)
+    """Whether a move to `wanted` leaves a tensor on `have` where it is. Every CPU index
+    names the one host memory (Accelerate moves CPU models to `cpu:0`)."""
+    if wanted.type != have.type:
+        return False
+    return wanted.type == "cpu" or wanted.index is None or wanted.index == have.index
 
 
 def _seal_released(result: Any) -> Any:

@@ -121,6 +121,16 @@ def fill_from_model(config: dict, args: Any, model: Any, num_training_steps: int
     return filled.config
 
 
+TRAINING_ONLY_SECTIONS = ("optimizer", "scheduler")
+
+
+def fill_for_inference(config: dict, args: Any, model: Any) -> dict:
+    """The config of an engine that only runs forwards (evaluation before training, a
+    reference model): stage 2 filled from `model`, no optimizer or scheduler section."""
+    filled = fill_from_model(config, args, model, 0)
+    return {key: value for key, value in filled.items() if key not in TRAINING_ONLY_SECTIONS}
+
+
 def model_hidden_size(model: Any) -> int | None:
     """The model's hidden size as Transformers reads it (largest of hidden_sizes; the
     text config of a multimodal model)."""

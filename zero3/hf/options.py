@@ -4,13 +4,16 @@ ZeRO-3 sharding is zero3's own, so every other sharding or parallel scheme (FSDP
 DeepSpeed, tensor / context / sequence parallelism) is refused, as is `torch_compile`
 (compiled graphs would bypass the gather-on-use hooks) and fp16 (the Trainer backpropagates
 the unscaled loss itself; bf16 needs no loss scale). `check_arguments` runs on the
-TrainingArguments, `check_model` on the model the Trainer was given, `check_accelerator`
+TrainingArguments, `check_model` on the model the Trainer was given, `check_reference_precompute` on the
+arguments and model before a TRL trainer reads the model's values, `check_accelerator`
 on the Accelerator the Trainer built (an `accelerate launch` DeepSpeed or FSDP config).
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from ..released import is_released
 
 # TrainingArguments.optim values whose optimizer zero3 runs on flat shards (torch's own,
 # elementwise). Others may use a tensor's shape (Adafactor) or carry quantized state.
@@ -61,6 +64,21 @@ def check_model(model: Any) -> None:
     if tp_size > 1:
         _refuse("model.tp_size", tp_size, "the model was loaded with tensor parallelism (tp_plan); load it "
                 "without tp_plan / device_mesh for zero3")
+
+
+def check_reference_precompute(args: Any, model: Any) -> None:
+    """TRL's precompute_ref_log_probs reads the model's values while the trainer is being
+    built, before zero3's engine exists: a model partitioned by zero3.zero.Init has none
+    to give there (DPO's own checks would fail on its empty parameters)."""
+    if not getattr(args, "precompute_ref_log_probs", False) or not hasattr(model, "parameters"):
+        return
+    partitioned = [name for name, param in model.named_parameters() if is_released(param)]
+    if partitioned:
+        _refuse("precompute_ref_log_probs", True,
+                f"the model was built inside zero3.zero.Init ({len(partitioned)} partitioned parameters, e.g. "
+                f"{partitioned[0]!r}), and the reference log-probs are computed while the trainer is built, before "
+                "zero3 runs it; set precompute_ref_log_probs=False (the reference is then sharded by zero3 and run "
+                "beside the policy), or build the model outside zero3.zero.Init")
 
 
 def check_accelerator(accelerator: Any) -> None:

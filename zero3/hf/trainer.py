@@ -17,6 +17,8 @@ takes the parts DeepSpeed takes when Transformers runs it through Accelerate:
 - the loss: the Trainer divides it by the accumulation steps and calls `backward` on it
   (through Accelerate, with no DDP wrapper); the engine reduces those gradients into its
   shards without dividing again (`Engine.loss_divided_by_caller`);
+- a reference model (TRL's `ref_model`, DPO without PEFT): sharded by an engine of its own
+  that only runs forwards, and `sync_ref_model` mixing through zero3 (reference.py);
 - checkpoints: the engine's checkpoint inside `checkpoint-N/` next to the Trainer's files,
   resumed by `train(resume_from_checkpoint=...)` (checkpoints.py); `save_model()` gathers
   the 16-bit weights to rank 0, which writes the adapter (PEFT) or the whole model.
@@ -37,12 +39,9 @@ from transformers.trainer import _is_peft_model
 
 from ..api import initialize
 from ..engine import Engine
-from . import checkpoints, config_fill, options
+from . import checkpoints, config_fill, options, reference
 from .callbacks import GatheredEvaluationCallbacks
 from .facades import EngineOptimizer, EngineScheduler
-
-TRAINING_ONLY_SECTIONS = ("optimizer", "scheduler")
-
 
 class Zero3TrainerMixin:
     """The methods that put zero3's engine under a Trainer (see the module docstring).
@@ -59,6 +58,7 @@ class Zero3TrainerMixin:
         given_args = kwargs.get("args", args[1] if len(args) > 1 else None)
         if given_args is not None:
             options.check_arguments(given_args, raw_config)
+            options.check_reference_precompute(given_args, kwargs.get("model", args[0] if args else None))
         self.zero3_engine: Engine | None = None
         super().__init__(*args, **kwargs)
         options.check_arguments(self.args, raw_config)
@@ -66,6 +66,7 @@ class Zero3TrainerMixin:
         options.check_accelerator(self.accelerator)
         self.zero3_config = config_fill.fill_from_arguments(raw_config, self.args)
         self.callback_handler = GatheredEvaluationCallbacks(self.callback_handler, lambda: self.zero3_engine)
+        reference.shard_reference_model(self)
 
     def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
         """The engine owns precision (Accelerate adds no autocast and no grad scaler) and
@@ -90,15 +91,16 @@ class Zero3TrainerMixin:
     def _zero3_build_engine(self, max_steps: int, training: bool) -> Engine:
         """The engine over `self.model`; for training with the Trainer's (or the config's)
         optimizer and scheduler."""
+        if not training:
+            config = config_fill.fill_for_inference(self.zero3_config, self.args, self.model)
+            engine, _, _, _ = initialize(model=self.model, config=config)
+            return engine
         config = config_fill.fill_from_model(self.zero3_config, self.args, self.model, max_steps)
         optimizer = scheduler_factory = None
-        if training:
-            if "optimizer" not in config:
-                optimizer = _without_empty_groups(self.create_optimizer())
-            if "scheduler" not in config:
-                scheduler_factory = functools.partial(self._zero3_trainer_scheduler, max_steps)
-        else:
-            config = {key: value for key, value in config.items() if key not in TRAINING_ONLY_SECTIONS}
+        if "optimizer" not in config:
+            optimizer = _without_empty_groups(self.create_optimizer())
+        if "scheduler" not in config:
+            scheduler_factory = functools.partial(self._zero3_trainer_scheduler, max_steps)
         engine, _, _, _ = initialize(model=self.model, optimizer=optimizer, lr_scheduler=scheduler_factory,
                                      config=config)
         return engine
