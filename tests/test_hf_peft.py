@@ -285,12 +285,17 @@ def generate_gathered_once(rank: int, world: int):
         during = engine.comm_stats()
         mode_inside = model.training
     after = engine.comm_stats()
+    training = engine.module.training
+    engine.eval()
+    with torch.no_grad():
+        via_engine = greedy(engine, ps[rank], eos)  # engine.generate gathers once by itself
+    engine.train(training)
     resumed = P.train(engine, 1, 1)  # training goes on, sharded
     engine.destroy()
     straight_engine = P.build_engine(reentrant=False, threshold=0)
     straight = P.train(straight_engine, 0, 2)
     straight_engine.destroy()
-    return {"expected": expected, "got": got, "prompt_len": ps[rank].shape[1], "eos": eos,
+    return {"expected": expected, "got": got, "via_engine": via_engine, "prompt_len": ps[rank].shape[1], "eos": eos,
             "gathers_entering": entered.get("all_gather", (0, 0))[0] - before.get("all_gather", (0, 0))[0],
             "during_equal": during == entered, "after_equal": after == during, "mode_inside": mode_inside,
             "losses": {**first, **resumed}, "straight": straight}
@@ -302,6 +307,7 @@ def test_generate_with_weights_gathered_once_then_training_continues():
     assert new[0] == 2 and new[1] > 2, new  # the ranks stopped at different steps
     for r in results:
         assert torch.equal(r["got"], r["expected"]), (r["got"], r["expected"])
+        assert torch.equal(r["via_engine"], r["expected"]), (r["via_engine"], r["expected"])
         assert r["during_equal"] and r["after_equal"]  # no collective while generating or leaving
         assert r["gathers_entering"] > 0 and r["mode_inside"] is False
         assert r["losses"] == r["straight"]  # generation in between changed nothing in training

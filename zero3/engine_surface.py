@@ -40,6 +40,19 @@ class EngineSurface:
             raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
         return getattr(module, name)
 
+    def generate(self: "Engine", *args: Any, **kwargs: Any) -> Any:
+        """The model's `generate()` with every parameter gathered once (gathered_for_generation):
+        no collective per token, so ranks may stop at different lengths (each at its own
+        end-of-sequence), as DeepSpeed users get from TRL's `ds3_gather_for_generation`.
+        Memory: the whole model in the compute dtype while it runs. With `synced_gpus=True`
+        the model generates sharded instead, all ranks in lockstep, one gather per unit per
+        token, never holding the whole model. The module's train / eval mode is kept."""
+        generate = getattr(self.module, "generate")
+        if kwargs.get("synced_gpus"):
+            return generate(*args, **kwargs)
+        with self.gathered_for_generation(eval_mode=False):
+            return generate(*args, **kwargs)
+
     def _apply(self: "Engine", fn: Callable, recurse: bool = True) -> "Engine":
         """`engine.to()`, `.cuda()`, `.half()`, ...: a no-op where nothing would change.
 
