@@ -47,6 +47,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--accumulation", type=int, default=2)
     parser.add_argument("--lora-r", type=int, default=16)
+    parser.add_argument("--trainer", choices=["sft", "dpo"], default="sft",
+                        help="sft: SFTTrainer + LoRA; dpo: DPOTrainer, full fine-tune with a reference model")
     return parser.parse_args(argv)
 
 
@@ -107,39 +109,79 @@ def make_callback(clock: StepClock):
     return Clock()
 
 
-def run_one(options: argparse.Namespace) -> None:
-    import torch
+def sft_trainer(options: argparse.Namespace, world: int, out: Path, bf16: bool):
+    """SFTTrainer + LoRA on samples of exactly `seq` tokens: (class, its arguments)."""
     import trl_sft_lora as example
     from peft import LoraConfig
     from trl import SFTTrainer
 
-    rank = int(os.environ.get("RANK", "0"))
-    world = int(os.environ.get("WORLD_SIZE", "1"))
     tokenizer = example.build_tokenizer()
     words = options.seq - 2  # with <s> and </s>: every sample is exactly `seq` tokens
     dataset = example.make_dataset(rows=options.micro_batch * options.accumulation * world * (options.steps + 1),
                                    min_words=words, max_words=words)
-    model = build_model(options, len(tokenizer))
-    bf16 = not options.tiny and torch.cuda.is_available()
-    out = Path(os.environ.get("HF_SFT_OUT", "/tmp/hf_sft_bench")) / options.engine
     args = example.sft_config(out, options.steps, accumulation=options.accumulation, reentrant=False,
                               per_device_train_batch_size=options.micro_batch, max_length=options.seq,
                               learning_rate=1e-4, logging_steps=1, bf16=bf16,
                               deepspeed=ds_config(options) if options.engine == "deepspeed" else None)
     lora = LoraConfig(r=options.lora_r, lora_alpha=2 * options.lora_r, lora_dropout=0.0,
                       target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], task_type="CAUSAL_LM")
-    common = dict(model=model, args=args, train_dataset=dataset, processing_class=tokenizer, peft_config=lora)
+    return SFTTrainer, dict(model=build_model(options, len(tokenizer)), args=args, train_dataset=dataset,
+                            processing_class=tokenizer, peft_config=lora)
+
+
+def dpo_trainer(options: argparse.Namespace, world: int, out: Path, bf16: bool):
+    """DPOTrainer, full fine-tune, the reference model loaded by TRL from the policy's folder:
+    pairs of a `seq // 2`-word prompt and two `seq // 2 - 2`-word completions."""
+    import torch
+    import trl_sft_lora as example
+    from datasets import Dataset
+    from trl import DPOConfig, DPOTrainer
+
+    tokenizer = example.build_tokenizer()
+    generator = torch.Generator().manual_seed(0)
+
+    def words(count: int) -> str:
+        return " ".join(f"w{int(w)}" for w in torch.randint(0, example.WORDS, (count,), generator=generator))
+
+    half = options.seq // 2
+    rows = options.micro_batch * options.accumulation * world * (options.steps + 1)
+    dataset = Dataset.from_list([{"prompt": words(half), "chosen": " " + words(half - 2),
+                                  "rejected": " " + words(half - 2)} for _ in range(rows)])
+    folder = out / f"policy_rank{os.environ.get('RANK', '0')}"  # each rank its own copy: no race, no barrier
+    build_model(options, len(tokenizer)).save_pretrained(folder)  # TRL loads its reference from here
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16 if bf16 else torch.float32)
+    args = DPOConfig(output_dir=str(out), per_device_train_batch_size=options.micro_batch,
+                     gradient_accumulation_steps=options.accumulation, max_steps=options.steps,
+                     learning_rate=1e-6, logging_steps=1, report_to=[], save_strategy="no", seed=0,
+                     disable_tqdm=True, bf16=bf16, use_cpu=not torch.cuda.is_available(), max_length=options.seq,
+                     gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False},
+                     deepspeed=ds_config(options) if options.engine == "deepspeed" else None)
+    return DPOTrainer, dict(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
+
+
+def run_one(options: argparse.Namespace) -> None:
+    import torch
+
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    bf16 = not options.tiny and torch.cuda.is_available()
+    out = Path(os.environ.get("HF_SFT_OUT", "/tmp/hf_sft_bench")) / options.trainer / options.engine
+    make = sft_trainer if options.trainer == "sft" else dpo_trainer
+    trainer_cls, common = make(options, world, out, bf16)
     if options.engine == "zero3":
         import zero3.hf
 
-        trainer = zero3.hf.trainer_class(SFTTrainer)(**common, zero3_config=ds_config(options))
+        trainer = zero3.hf.trainer_class(trainer_cls)(**common, zero3_config=ds_config(options))
     else:
-        trainer = SFTTrainer(**common)
+        trainer = trainer_cls(**common)
     clock = StepClock()
     trainer.add_callback(make_callback(clock))
     trainer.train()
     steps = [b - a for a, b in zip(clock.marks, clock.marks[1:])][options.warmup:]
-    tokens = options.micro_batch * options.accumulation * options.seq * world
+    pair = 2 if options.trainer == "dpo" else 1  # DPO runs the chosen and the rejected sequence
+    tokens = options.micro_batch * options.accumulation * options.seq * world * pair
     median = statistics.median(steps)
     peak = torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else float("nan")
     if rank == 0:
@@ -170,7 +212,8 @@ def launch(engine: str, options: argparse.Namespace, argv: list[str]) -> dict | 
 
 
 def report(results: dict[str, dict], options: argparse.Namespace) -> None:
-    print(f"\nSFTTrainer + LoRA r={options.lora_r}, seq {options.seq}, micro-batch {options.micro_batch}, "
+    what = f"SFTTrainer + LoRA r={options.lora_r}" if options.trainer == "sft" else "DPOTrainer, full fine-tune"
+    print(f"\n{what}, seq {options.seq}, micro-batch {options.micro_batch}, "
           f"accumulation {options.accumulation}, {options.nproc} process(es), "
           f"{'tiny Llama on CPU' if options.tiny else '~1B Llama bf16'}; median of the steps after {options.warmup}\n")
     print("| engine    | step ms (median) | min ms | tokens/s | peak MiB/rank | first losses |")
