@@ -35,6 +35,7 @@ from ..engine import Engine
 from ..gathered import GatheredParameters
 from . import config_fill
 
+
 def shard_reference_model(trainer: Any) -> None:
     """`trainer.ref_model`, if it is a whole module, becomes a zero3 inference engine over it
     (a collective: every rank's trainer is built together). TRL's sync callback, if any, is
