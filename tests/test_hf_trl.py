@@ -1,4 +1,4 @@
-"""TRL's DPOTrainer and GRPOTrainer under zero3 (zero3.hf.trainer_class(...)) on 2 gloo ranks,
+"""TRL's DPOTrainer, GRPOTrainer and KTOTrainer under zero3 (zero3.hf.trainer_class(...)) on 2 gloo ranks,
 against TRL's own trainers (plain data parallel) in the same launch.
 
 DPO:
@@ -16,6 +16,8 @@ GRPO (sampling its own completions, a KL term against a reference model): rank 0
 emit special tokens, so its completions end early and its generate() runs fewer steps than
 rank 1's. The engine's generate() gathers the weights once, so neither rank waits on the
 other; losses and rewards equal TRL's, and the reference is sharded.
+
+KTO (full fine-tune, TRL's own reference copy): sharded, the losses equal TRL's.
 
 The model is the tiny random Llama of examples/trl_sft_lora.py; the preference pairs are
 generated and saved to disk (TRL's dataset caches must be shared between ranks).
@@ -183,6 +185,41 @@ def grpo_run(folder: Path, rank: int, zero3_trainer: bool) -> dict:
     return out
 
 
+def kto_run(folder: Path, zero3_trainer: bool) -> dict:
+    """KTOTrainer, full fine-tune: its reference is TRL's own copy (sharded under zero3)."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+    from trl import KTOConfig, KTOTrainer
+
+    import zero3.hf
+
+    pairs = load_pairs(folder)
+    rows = Dataset.from_list([{"prompt": row["prompt"], "completion": row["chosen" if i % 2 else "rejected"],
+                               "label": bool(i % 2)} for i, row in enumerate(pairs)])
+    args = KTOConfig(output_dir=str(folder / f"kto_{zero3_trainer}"), per_device_train_batch_size=4,
+                     gradient_accumulation_steps=2, max_steps=3, learning_rate=5e-2, logging_steps=1, report_to=[],
+                     save_strategy="no", use_cpu=True, seed=0, disable_tqdm=True, bf16=False, max_length=32)
+    cls, kwargs = KTOTrainer, {}
+    if zero3_trainer:
+        cls, kwargs = zero3.hf.trainer_class(KTOTrainer), {"zero3_config": E.zero3_config(offload_param=False)}
+    trainer = cls(model=AutoModelForCausalLM.from_pretrained(folder / "base"), args=args, train_dataset=rows,
+                  processing_class=E.build_tokenizer(), **kwargs)
+    log = E.LossLog()
+    trainer.add_callback(log)
+    trainer.train()
+    out = {"losses": [log.losses[step] for step in sorted(log.losses)], "reference": type(trainer.ref_model).__name__}
+    if zero3_trainer:
+        trainer.ref_model.destroy()
+        trainer.zero3_engine.destroy()
+    return out
+
+
+def load_pairs(folder: Path):
+    from datasets import load_from_disk
+
+    return load_from_disk(str(folder / "pairs"))
+
+
 def trl_launch(rank: int, world: int, folder: str) -> dict:
     folder = Path(folder)
     return {
@@ -196,6 +233,8 @@ def trl_launch(rank: int, world: int, folder: str) -> dict:
         "precompute": refused_precompute(folder),
         "plain_grpo": grpo_run(folder, rank, zero3_trainer=False),
         "zero3_grpo": grpo_run(folder, rank, zero3_trainer=True),
+        "plain_kto": kto_run(folder, zero3_trainer=False),
+        "zero3_kto": kto_run(folder, zero3_trainer=True),
     }
 
 
@@ -259,3 +298,11 @@ def test_grpo_ranks_generating_different_lengths_match_trl(runs):
         assert ours["rewards"] == pytest.approx(plain["rewards"], rel=1e-6), (ours, plain)
         assert plain["reference"] == "LlamaForCausalLM" and ours["reference"] == "Engine"
         assert ours["reference_engine"]["released"] and ours["reference_engine"]["no_optimizer"]
+
+
+def test_kto_with_a_sharded_reference_matches_trl(runs):
+    for out in runs:
+        plain, ours = out["plain_kto"], out["zero3_kto"]
+        assert plain["reference"] == "LlamaForCausalLM" and ours["reference"] == "Engine"
+        assert len(ours["losses"]) == 3 and len(set(plain["losses"])) == 3, (ours, plain)
+        assert _close(ours["losses"], plain["losses"]), (ours, plain)
