@@ -25,23 +25,14 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("trl", reason="the hf extra is not installed: pip install zero3[hf]")
-pytest.importorskip("peft", reason="the hf extra is not installed: pip install zero3[hf]")
-
-os.environ["HF_HUB_OFFLINE"] = "1"
-ROOT = Path(__file__).resolve().parent.parent
-EXAMPLES = str(ROOT / "examples")
-if EXAMPLES not in sys.path:
-    sys.path.insert(0, EXAMPLES)
+from trl_setup import ENV, ROOT
 
 import torch  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
-import trl_sft_lora as E  # noqa: E402
+import trl_sft_lora as E  # noqa: E402  (on sys.path through trl_setup)
 from harness import free_port, run_ranks  # noqa: E402
 
-ENV = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-       "PYTHONPATH": EXAMPLES + os.pathsep + os.environ.get("PYTHONPATH", "")}
 STEPS, SAVE_AT = 6, 3
 MAX_NEW = 6
 

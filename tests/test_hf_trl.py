@@ -26,26 +26,15 @@ generated and saved to disk (TRL's dataset caches must be shared between ranks).
 from __future__ import annotations
 
 import math
-import os
-import sys
 from pathlib import Path
 
 import pytest
 
-pytest.importorskip("trl", reason="the hf extra is not installed: pip install zero3[hf]")
-pytest.importorskip("peft", reason="the hf extra is not installed: pip install zero3[hf]")
+from trl_setup import ENV
 
-os.environ["HF_HUB_OFFLINE"] = "1"
-ROOT = Path(__file__).resolve().parent.parent
-EXAMPLES = str(ROOT / "examples")
-if EXAMPLES not in sys.path:
-    sys.path.insert(0, EXAMPLES)
-
-import trl_sft_lora as E  # noqa: E402
+import trl_sft_lora as E  # noqa: E402  (on sys.path through trl_setup)
 from harness import run_ranks  # noqa: E402
 
-ENV = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-       "PYTHONPATH": EXAMPLES + os.pathsep + os.environ.get("PYTHONPATH", "")}
 STEPS = 4
 GRPO_NEW = 8
 

@@ -4,9 +4,10 @@ ZeRO-3 sharding is zero3's own, so every other sharding or parallel scheme (FSDP
 DeepSpeed, tensor / context / sequence parallelism) is refused, as is `torch_compile`
 (compiled graphs would bypass the gather-on-use hooks) and fp16 (the Trainer backpropagates
 the unscaled loss itself; bf16 needs no loss scale). `check_arguments` runs on the
-TrainingArguments, `check_model` on the model the Trainer was given, `check_reference_precompute` on the
-arguments and model before a TRL trainer reads the model's values, `check_accelerator`
-on the Accelerator the Trainer built (an `accelerate launch` DeepSpeed or FSDP config).
+TrainingArguments, `check_model` on the model the Trainer was given,
+`check_reference_precompute` on both before a TRL trainer reads the model's values, and
+`check_accelerator` on the Accelerator the Trainer built (an `accelerate launch` DeepSpeed
+or FSDP config).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A trainer's frozen reference model (TRL's DPO, GRPO with a KL term) sharded by zero3, as DeepSpeed does.
+"""A trainer's frozen reference model (TRL's DPO, KTO, GRPO with a KL term) sharded by zero3, as DeepSpeed does.
 
 TRL keeps the reference model in `trainer.ref_model` and runs it under `torch.no_grad()`
 beside the policy. Under DeepSpeed ZeRO-3 TRL wraps it in an inference engine; under

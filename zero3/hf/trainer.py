@@ -17,8 +17,9 @@ takes the parts DeepSpeed takes when Transformers runs it through Accelerate:
 - the loss: the Trainer divides it by the accumulation steps and calls `backward` on it
   (through Accelerate, with no DDP wrapper); the engine reduces those gradients into its
   shards without dividing again (`Engine.loss_divided_by_caller`);
-- a reference model (TRL's `ref_model`, DPO without PEFT): sharded by an engine of its own
-  that only runs forwards, and `sync_ref_model` mixing through zero3 (reference.py);
+- a reference model (TRL's `ref_model`: DPO and KTO without PEFT, GRPO with a KL term):
+  sharded by an engine of its own that only runs forwards, and `sync_ref_model` mixing
+  through zero3 (reference.py);
 - checkpoints: the engine's checkpoint inside `checkpoint-N/` next to the Trainer's files,
   resumed by `train(resume_from_checkpoint=...)` (checkpoints.py); `save_model()` gathers
   the 16-bit weights to rank 0, which writes the adapter (PEFT) or the whole model.
@@ -42,6 +43,7 @@ from ..engine import Engine
 from . import checkpoints, config_fill, options, reference
 from .callbacks import GatheredEvaluationCallbacks
 from .facades import EngineOptimizer, EngineScheduler
+
 
 class Zero3TrainerMixin:
     """The methods that put zero3's engine under a Trainer (see the module docstring).
