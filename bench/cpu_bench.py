@@ -324,8 +324,8 @@ def build_plain(ctx):
     if ctx.args.dtype == "bf16":
         model = model.to(torch.bfloat16)  # pure bf16 params and optimizer state
     if ctx.world > 1:
-        from torch.nn.parallel import DistributedDataParallel as DDP
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        from torch.nn.parallel import DistributedDataParallel as DDP
         model = DDP(model, device_ids=[ctx.local_rank] if ctx.device.type == "cuda" else None)
         # The stock all-reduce hook, in Python, so its all_reduce calls can be counted.
         model.register_comm_hook(None, default_hooks.allreduce_hook)
@@ -343,9 +343,9 @@ def build_plain(ctx):
 
 def build_fsdp2(ctx):
     import torch
+    from models import build_model
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from models import build_model
     model = build_model(ctx.args).to(ctx.device)
     mesh = init_device_mesh(ctx.device.type, (ctx.world,))
     mp = MixedPrecisionPolicy()

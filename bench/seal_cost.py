@@ -14,7 +14,7 @@ import time
 import torch
 from torch import nn
 
-from zero3.released import release_storage, restore_storage
+from zero3.params.released import release_storage, restore_storage
 
 PARAMS = [nn.Parameter(torch.randn(64, 64)) for _ in range(200)]
 REPEATS = 200

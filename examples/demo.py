@@ -13,8 +13,6 @@ run uninterrupted from scratch, and the losses after the resume are compared bit
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import os
 from pathlib import Path
 

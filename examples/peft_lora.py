@@ -19,7 +19,7 @@ the trained model's logits.
     torchrun --standalone --nproc_per_node=2 examples/peft_lora.py --phase resume --dir DIR
     (add --reentrant for reentrant activation checkpointing, --steps N for N steps a phase)
 
-The functions here are also what tests/test_hf_peft.py runs.
+The functions here are also what tests/hf/test_hf_peft.py runs.
 """
 
 from __future__ import annotations
@@ -197,7 +197,7 @@ def generate_sample(engine, new_tokens: int = 8) -> dict:
 def export(engine, folder: Path) -> dict | None:
     """Export the adapter (PEFT format) and the merged model (safetensors). A collective;
     rank 0 writes `folder/adapter` and `folder/full` and returns their paths."""
-    from zero3.export import consolidated_state_dict
+    from zero3.checkpoint.export import consolidated_state_dict
 
     state = consolidated_state_dict(engine)  # full PEFT-model state dict on rank 0
     if engine.global_rank != 0:

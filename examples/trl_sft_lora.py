@@ -15,7 +15,7 @@ reentrant gradient checkpointing, accumulation 4, parameters offloaded to the CP
     accelerate launch --num_processes 2 --cpu examples/trl_sft_lora.py --dir DIR --steps 6
 
 Each rank prints `step N loss X` lines (rank 0) and the final adapter is saved to
-DIR/adapter. The functions here are what tests/test_hf_trainer.py and bench/hf_sft_bench.py use.
+DIR/adapter. The functions here are what tests/hf/test_hf_trainer.py and bench/hf_sft_bench.py use.
 """
 
 from __future__ import annotations

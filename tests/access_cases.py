@@ -1,4 +1,4 @@
-"""Access patterns: the shared machinery of tests/test_access_*.py.
+"""Access patterns: the shared machinery of tests/params/test_access_*.py.
 
 Each pattern is a *case*: a small model, the micro-step it runs (which may also evaluate,
 generate, or call backward twice) and a config, registered with `case(...)` by the test
@@ -27,9 +27,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from harness import run_ranks
+from torch import nn
 
 STEPS = 3  # optimizer steps before the save, and again after the load
 MICRO = 4  # samples per rank and micro-step
@@ -224,7 +223,7 @@ def engine_step(engine, c: Case, step: int, rank: int, world: int, framework: st
 
 def full_state(engine, framework: str) -> dict[str, torch.Tensor]:
     if framework == "zero3":
-        from zero3.export import consolidated_state_dict
+        from zero3.checkpoint.export import consolidated_state_dict
 
         return consolidated_state_dict(engine)
     import deepspeed

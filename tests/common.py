@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import copy
-
 import torch
-from torch import nn
 import torch.nn.functional as F
+from torch import nn
 
 
 class Block(nn.Module):

@@ -3,8 +3,11 @@
 - Every field of the typed config is read by some code outside config.py (or by a
   property of config.py that code reads): a field nothing reads is a promise with no
   effect.
-- No import cycle among zero3's modules (imports inside functions counted; TYPE_CHECKING
-  blocks not), classes and functions within the sizes the code style sets.
+- No import cycle among zero3's modules (imports inside functions and under TYPE_CHECKING
+  counted), classes and functions within the sizes the code style sets.
+- The sub-packages depend one way (LAYERS): a module imports only its own layer and the
+  layers below it, and the checkpoint format reads no engine code.
+- Every documented public import path resolves.
 - The private torch internals zero3 relies on still exist and behave as zero3 assumes:
   a torch upgrade that changes one fails here, by name, not somewhere deep in a step.
 """
@@ -66,16 +69,10 @@ def test_every_config_field_is_read_outside_the_config_module():
 
 
 def _imports(module: str, tree: ast.Module, known: set[str]) -> set[str]:
-    skip: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            skip |= {id(sub) for sub in ast.walk(node)}
     is_package = (PACKAGE.parent / Path(*module.split("."))).is_dir()
     parts = module.split(".")
     found = set()
-    for node in ast.walk(tree):
-        if id(node) in skip:
-            continue
+    for node in ast.walk(tree):  # every import: module level, in functions, under TYPE_CHECKING
         if isinstance(node, ast.ImportFrom):
             if node.level:
                 base = parts[: len(parts) - node.level + (1 if is_package else 0)]
@@ -108,6 +105,142 @@ def test_no_import_cycle_among_the_package_modules():
                     seen.add(nxt)
                     stack.append((nxt, path + [nxt]))
     assert not cycles, f"import cycles: {sorted(set(cycles))[:5]}"
+
+
+# Low to high. A module may import modules of its own layer and of the layers below;
+# an import of a higher layer, anywhere in the file, is a forbidden edge.
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("foundation", ("zero3.version", "zero3.config", "zero3.platform")),
+    ("params", ("zero3.params",)),
+    ("grads", ("zero3.grads",)),
+    ("optim", ("zero3.optim",)),
+    ("engine parts", ("zero3.engine_parts", "zero3.estimate")),
+    ("checkpoint", ("zero3.checkpoint",)),
+    ("DeepSpeed adapters", ("zero3.compat", "zero3.accelerator", "zero3.comm", "zero3.utils", "zero3.runtime",
+                            "zero3.ops", "zero3.zero")),
+    ("engine", ("zero3.engine",)),
+    ("entry points", ("zero3.api", "zero3.cli", "zero3")),
+    ("hf", ("zero3.hf",)),
+]
+# The checkpoint format is read and written without an engine (the command line, the
+# DeepSpeed import): these modules may import only each other and the shard layout rule.
+FORMAT_MODULES = ("zero3.checkpoint.errors", "zero3.checkpoint.paths", "zero3.checkpoint.manifest",
+                  "zero3.checkpoint.files", "zero3.checkpoint.folder_swap", "zero3.checkpoint.format",
+                  "zero3.checkpoint.offline_export", "zero3.checkpoint.deepspeed")
+FORMAT_MAY_IMPORT = FORMAT_MODULES + ("zero3.params.shard_layout", "zero3.version", "zero3.checkpoint")
+
+
+def _within(module: str, prefixes: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in prefixes)
+
+
+def _layer_of(module: str) -> int:
+    """The index in LAYERS of the most specific prefix naming `module`."""
+    best, depth = -1, -1
+    for index, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            if _within(module, (prefix,)) and prefix.count(".") > depth:
+                best, depth = index, prefix.count(".")
+    assert best >= 0, f"{module} is in no layer of LAYERS: place it there"
+    return best
+
+
+def _forbidden_edges(graph: dict[str, set[str]]) -> list[str]:
+    edges = []
+    for module, targets in graph.items():
+        for target in targets:
+            if target == "zero3" and module != "zero3":
+                edges.append(f"{module} -> zero3 (the package's entry; import the module that defines the name)")
+            elif _layer_of(target) > _layer_of(module):
+                edges.append(f"{module} ({LAYERS[_layer_of(module)][0]}) -> {target} ({LAYERS[_layer_of(target)][0]})")
+            elif (_within(module, FORMAT_MODULES) and target != "zero3.checkpoint"
+                  and not _within(target, FORMAT_MAY_IMPORT)):
+                edges.append(f"{module} (checkpoint format) -> {target}")
+    return sorted(edges)
+
+
+def test_sub_packages_depend_one_way():
+    trees = _modules()
+    graph = {name: _imports(name, tree, set(trees)) for name, tree in trees.items()}
+    assert len(graph) > 60 and "zero3.params.fetch" in graph, "the parse of the package is off"
+    edges = _forbidden_edges(graph)
+    assert not edges, "imports against the layering (tests/test_architecture.py LAYERS): " + "; ".join(edges)
+
+
+def test_the_layering_check_catches_a_forbidden_edge():
+    """The rule itself: edges the layering forbids are reported, allowed ones are not."""
+    graph = {"zero3.params.fetch": {"zero3.optim.masters", "zero3.platform.collectives"},
+             "zero3.checkpoint.format": {"zero3.engine_parts.views", "zero3.params.shard_layout"},
+             "zero3.optim.masters": {"zero3.compat.param_status"},
+             "zero3.engine": {"zero3.params.fetch"}}
+    assert _forbidden_edges(graph) == [
+        "zero3.checkpoint.format (checkpoint format) -> zero3.engine_parts.views",
+        "zero3.optim.masters (optim) -> zero3.compat.param_status (DeepSpeed adapters)",
+        "zero3.params.fetch (params) -> zero3.optim.masters (optim)",
+    ]
+
+
+# What users import, as the README, the examples and DeepSpeed scripts spell it.
+PUBLIC_PATHS = [
+    "zero3.initialize", "zero3.init_distributed", "zero3.add_config_arguments", "zero3.Init",
+    "zero3.GatheredParameters", "zero3.register_external_parameter", "zero3.gathered_for_generation",
+    "zero3.estimate_memory", "zero3.set_z3_leaf_modules", "zero3.set_z3_leaf_modules_by_name",
+    "zero3.set_z3_leaf_modules_by_suffix", "zero3.unset_z3_leaf_modules", "zero3.Engine", "zero3.DeepSpeedEngine",
+    "zero3.CheckpointError", "zero3.ConfigError", "zero3.EngineError", "zero3.DivergenceError", "zero3.__version__",
+    "zero3.zero.Init", "zero3.zero.GatheredParameters", "zero3.zero.register_external_parameter",
+    "zero3.zero.unregister_external_parameter",
+    "zero3.runtime.zero.GatheredParameters", "zero3.runtime.zero.Init", "zero3.runtime.zero.ZeroParamStatus",
+    "zero3.runtime.zero.unwrap_model_for_generation",
+    "zero3.runtime.zero.partition_parameters.GatheredParameters",
+    "zero3.runtime.zero.partition_parameters.ZeroParamStatus",
+    "zero3.runtime.zero.partition_parameters.ZeroParameter",
+    "zero3.utils.safe_get_full_fp32_param", "zero3.utils.safe_get_full_grad",
+    "zero3.utils.safe_get_full_optimizer_state", "zero3.utils.safe_set_full_fp32_param",
+    "zero3.utils.safe_get_local_fp32_param", "zero3.utils.set_z3_leaf_modules", "zero3.utils.z3_leaf_module",
+    "zero3.utils.logger", "zero3.utils.log_dist",
+    "zero3.utils.zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint",
+    "zero3.utils.zero_to_fp32.convert_zero_checkpoint_to_fp32_state_dict",
+    "zero3.utils.zero_to_fp32.load_state_dict_from_zero_checkpoint",
+    "zero3.comm.init_distributed", "zero3.comm.get_rank", "zero3.comm.get_world_size", "zero3.comm.get_local_rank",
+    "zero3.comm.all_reduce", "zero3.comm.all_gather_into_tensor", "zero3.comm.barrier", "zero3.comm.ReduceOp",
+    "zero3.accelerator.get_accelerator", "zero3.ops.adam.FusedAdam", "zero3.ops.adam.DeepSpeedCPUAdam",
+    "zero3.config.from_deepspeed", "zero3.checkpoint.CheckpointError",
+    "zero3.checkpoint.export.consolidated_state_dict", "zero3.checkpoint.export.save_fp32_model",
+    "zero3.checkpoint.export.full_fp32_param", "zero3.cli.main",
+]
+HF_PATHS = ["zero3.hf.Trainer", "zero3.hf.trainer_class", "zero3.hf.ConfigFillError",
+            "zero3.hf.UnsupportedOptionError"]
+
+
+def _resolve(path: str) -> object:
+    """`path` as `import a.b; a.b.name`: the longest importable module prefix, then attributes."""
+    import importlib
+
+    parts = path.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            value = importlib.import_module(".".join(parts[:cut]))
+        except ModuleNotFoundError:
+            continue
+        for attribute in parts[cut:]:
+            value = getattr(value, attribute)
+        return value
+    raise ModuleNotFoundError(path)
+
+
+@pytest.mark.parametrize("path", PUBLIC_PATHS + HF_PATHS)
+def test_documented_import_path_resolves(path):
+    if path.startswith("zero3.hf"):
+        pytest.importorskip("transformers", reason="zero3.hf needs the hf extra")
+    assert _resolve(path) is not None
+
+
+def test_the_zero3_command_entry_point_resolves():
+    import tomllib
+
+    scripts = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["project"]["scripts"]
+    module, _, function = scripts["zero3"].partition(":")
+    assert callable(_resolve(f"{module}.{function}"))
 
 
 def test_classes_and_functions_stay_small():
@@ -199,8 +332,8 @@ def test_registration_hooks_and_saved_tensor_hooks():
 
 
 def test_pytree_and_foreach_and_incompatible_keys():
-    """fetch.py (tree_flatten / unflatten of hook arguments), optim.py and grad_sink.py
-    (torch._foreach_*), engine_surface.py (nn.modules.module._IncompatibleKeys)."""
+    """fetch.py (tree_flatten / unflatten of hook arguments), optim/masters.py and grads/sink.py
+    (torch._foreach_*), compat/engine_surface.py (nn.modules.module._IncompatibleKeys)."""
     from torch.utils._pytree import tree_flatten
 
     flat, spec = tree_flatten(((torch.ones(1), 2), {"k": torch.zeros(2)}))

@@ -6,20 +6,24 @@
 
 from __future__ import annotations
 
-
-from . import comm, ops, runtime, utils, zero
-from .version import __version__
-from .api import initialize
-from .distributed import add_config_arguments, init_distributed
-from .checkpoint import CheckpointError
-from .config import ConfigError
-from .engine import Engine, EngineError
-from .estimate import estimate_memory
-from .gathered import GatheredParameters, register_external_parameter
-from .generation import gathered_for_generation
-from .divergence import DivergenceError
-from .units import set_z3_leaf_modules, set_z3_leaf_modules_by_name, set_z3_leaf_modules_by_suffix, unset_z3_leaf_modules
-from .zero import Init
+from zero3 import comm, ops, runtime, utils, zero
+from zero3.api import initialize
+from zero3.checkpoint.errors import CheckpointError
+from zero3.config import ConfigError
+from zero3.engine import Engine, EngineError
+from zero3.engine_parts.gathered import GatheredParameters, register_external_parameter
+from zero3.engine_parts.generation import gathered_for_generation
+from zero3.estimate import estimate_memory
+from zero3.params.divergence import DivergenceError
+from zero3.params.units import (
+    set_z3_leaf_modules,
+    set_z3_leaf_modules_by_name,
+    set_z3_leaf_modules_by_suffix,
+    unset_z3_leaf_modules,
+)
+from zero3.platform.process_group import add_config_arguments, init_distributed
+from zero3.version import __version__
+from zero3.zero import Init
 
 DeepSpeedEngine = Engine
 

@@ -8,10 +8,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .accelerator import get_accelerator, local_rank
-from .config import ConfigError, Zero3Config, from_deepspeed
-from .distributed import init_distributed, register_exit_teardown
-from .engine import Engine
+from zero3.config import ConfigError, Zero3Config, from_deepspeed
+from zero3.engine import Engine
+from zero3.platform.device import get_accelerator, local_rank
+from zero3.platform.process_group import init_distributed, register_exit_teardown
 
 
 def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer: Any = None,

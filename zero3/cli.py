@@ -11,8 +11,8 @@
 DIR is a save_dir (holding tags and `latest`) or one tag folder. Without --tag, verify
 and export take the checkpoint a tag-less `engine.load_checkpoint(DIR)` would load.
 Nothing here starts torch.distributed; everything is read from the files. `inspect`
-also recognizes a DeepSpeed ZeRO-3 checkpoint (ds_layout.py) and says what it holds;
-`import-deepspeed` rewrites one as a zero3 checkpoint (ds_import.py).
+also recognizes a DeepSpeed ZeRO-3 checkpoint (checkpoint/deepspeed/layout.py) and says what it holds;
+`import-deepspeed` rewrites one as a zero3 checkpoint (checkpoint/deepspeed/importer.py).
 
 Exit status: 0 when all is well, 1 when a problem was found (each printed with the file
 it concerns), 2 for a usage error.
@@ -27,10 +27,10 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from . import checkpoint_format as ckpt
-from .checkpoint_paths import checked_tag
-from .ds_layout import DeepSpeedCheckpoint, is_deepspeed_checkpoint
-from .ds_unpickle import DeepSpeedCheckpointError
+from zero3.checkpoint import format as ckpt
+from zero3.checkpoint.deepspeed.layout import DeepSpeedCheckpoint, is_deepspeed_checkpoint
+from zero3.checkpoint.deepspeed.unpickle import DeepSpeedCheckpointError
+from zero3.checkpoint.paths import checked_tag
 
 
 def _human(size: int) -> str:
@@ -153,7 +153,7 @@ def inspect_deepspeed(directory: Path, as_json: bool) -> int:
 
 
 def import_deepspeed(src: Path, dst: Path, tag: str | None) -> int:
-    from .ds_import import import_deepspeed as run_import
+    from zero3.checkpoint.deepspeed.importer import import_deepspeed as run_import
 
     summary = run_import(src, dst, tag)
     print(f"wrote {summary['folder']}: {summary['params']} parameters, {_human(summary['bytes'])}, global step "
@@ -193,7 +193,7 @@ def verify(directory: Path, tag: str | None, every: bool) -> int:
 
 # ---------------------------------------------------------------------- export
 def export(directory: Path, out: Path, tag: str | None, dtype_name: str) -> int:
-    from .offline_export import EXPORT_DTYPES, export_checkpoint
+    from zero3.checkpoint.offline_export import EXPORT_DTYPES, export_checkpoint
 
     folder, problems = _target(directory, tag)
     for problem in problems:
@@ -234,7 +234,7 @@ def _estimate_config(args: argparse.Namespace) -> dict:
 
 
 def estimate(args: argparse.Namespace) -> int:
-    from .estimate import estimate_memory, model_from_hf_config
+    from zero3.estimate import estimate_memory, model_from_hf_config
 
     model = model_from_hf_config(args.model_config) if args.model_config else args.params
     result = estimate_memory(model, args.world_size, _estimate_config(args), trainable=args.trainable,

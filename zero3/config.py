@@ -27,10 +27,10 @@ import binascii
 import copy
 import difflib
 import json
+import logging
 import math
 import os
 import sys
-import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, NoReturn, Union
 
@@ -1080,7 +1080,7 @@ def _step_or_none(key: str, value: Any) -> int | None:
     return None if value is None else _to_int(key, value, None)
 
 
-# Scheduler params: name -> (DeepSpeed's default or _REQUIRED, converter), from lr_schedules.py.
+# Scheduler params: name -> (DeepSpeed's default or _REQUIRED, converter), from optim/lr_schedules.py.
 _WARMUP: dict[str, tuple[Any, Converter]] = {
     "warmup_min_lr": (0.0, _number_or_list),
     "warmup_num_steps": (1000, _int(1)),

@@ -1,6 +1,6 @@
 """Engine: forward / backward / step over a ZeRO-3 sharded model, DeepSpeed's API.
 
-Construction (engine_build.py, in this order, on every rank): the model on its device
+Construction (engine_parts/build.py, in this order, on every rank): the model on its device
 and dtype, rank 0's values broadcast -> ShardedParams (each rank keeps its shard;
 non-persistent parameters released) -> fetch units -> the optimizer resolved and, for
 the overlapped CPU update, the one background worker -> gradient reducer -> fetcher
@@ -13,12 +13,12 @@ The data path of one optimizer step, top to bottom:
    drops the holds, which releases the full tensors.
 2. backward: each unit's pre-backward hook gathers again; each parameter's gradient is
    taken by the reducer (reduce.py) as it is produced, bucketed, reduce-scattered and
-   added into the fp32 gradient shard (grad_sink.py, on the master device); the end of
+   added into the fp32 gradient shard (grads/sink.py, on the master device); the end of
    the outermost backward pass (`_end_backward`, the one place a backward ends) flushes
    the last buckets. Accumulation micro-steps add into the same shards.
-3. step at the boundary (optim.py): gradient norm over all ranks, clipping, the client
+3. step at the boundary (optim/masters.py): gradient norm over all ranks, clipping, the client
    optimizer on the fp32 master shards (or on the CPU, behind the next forward:
-   host_step.py), masters cast into the parameter shards; resident parameters refreshed
+   optim/host_step.py), masters cast into the parameter shards; resident parameters refreshed
    from every rank's shard (`wire.gather_rows`); the lr scheduler steps.
 
 Counters follow DeepSpeed: `micro_steps` counts engine.step() calls, `global_steps`
@@ -35,26 +35,27 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import checkpoint as checkpoint_io
-from . import diagnostics, export, generation
-from . import engine_build as build
-from .accelerator import get_accelerator
-from .arrival import check_in
-from .comm import Communicator
-from .config import Zero3Config
-from .counters import StepCounters
-from .engine_build import EngineError
-from .engine_surface import EngineSurface
-from .late_params import LateParameters
-from .optim import settle
-from .param_owner import ParamOwner, register, unregister
-from .partition import ParamState
-from .precision import LossScaler
-from .rank_agreement import check_ranks_agree, config_items, model_items, optimizer_items
-from .timers import StepTimers, ThroughputTimer
-from .units import build_units
-from .views import OptimizerAccess, ShardedModel
-from .wire import gather_rows, group_by_dtype
+from zero3.checkpoint import export
+from zero3.checkpoint import save_load as checkpoint_io
+from zero3.checkpoint.arrival import check_in
+from zero3.compat.engine_surface import EngineSurface
+from zero3.compat.param_status import mark_managed
+from zero3.config import Zero3Config
+from zero3.engine_parts import build, diagnostics, generation
+from zero3.engine_parts.build import EngineError
+from zero3.engine_parts.counters import StepCounters
+from zero3.engine_parts.owner import ParamOwner, register, unregister
+from zero3.engine_parts.rank_agreement import check_ranks_agree, config_items, model_items, optimizer_items
+from zero3.engine_parts.timers import StepTimers, ThroughputTimer
+from zero3.engine_parts.views import OptimizerAccess, ShardedModel
+from zero3.optim.loss_scaler import LossScaler
+from zero3.optim.masters import settle
+from zero3.params.late_params import LateParameters
+from zero3.params.partition import ParamState
+from zero3.params.units import build_units
+from zero3.params.wire import gather_rows, group_by_dtype
+from zero3.platform.collectives import Communicator
+from zero3.platform.device import get_accelerator
 
 logger = logging.getLogger("zero3")
 
@@ -68,7 +69,7 @@ class Engine(EngineSurface, nn.Module):
     the engine does not own is read from the model. The engine's own state lives in its
     collaborators (fetcher, reducer, optimizer), built here and owned by the engine; code
     outside the step (checkpoints, exports, gathering, generation) is handed typed views
-    of them (`sharded_model`, `optimizer_access`, `param_owner`: views.py, param_owner.py).
+    of them (`sharded_model`, `optimizer_access`, `param_owner`: engine_parts/views.py, engine_parts/owner.py).
     """
 
     def __init__(
@@ -98,6 +99,8 @@ class Engine(EngineSurface, nn.Module):
         self.module = model
         self.named_params = list(self.module.named_parameters())
         self.table = build.shard_parameters(self.named_params, init_shards, config, self.comm, self.device)
+        for p in self.table:
+            mark_managed(p)  # DeepSpeed's read-only ds_status / ds_shape / ds_numel
         self.param_names = {sp.param: sp.name for sp in self.table.values()}
         self.units = build_units(self.module, self.table, config.zero.module_granularity_threshold,
                                  leaf_module=config.zero.leaf_module)
@@ -121,7 +124,7 @@ class Engine(EngineSurface, nn.Module):
 
     def _build_views(self) -> None:
         """The typed views that checkpoints, exports, GatheredParameters, generation and
-        the parameter accessors read (views.py, param_owner.py), over the parts built above."""
+        the parameter accessors read (engine_parts/views.py, engine_parts/owner.py), over the parts built above."""
         self.sharded_model = ShardedModel(self.module, self.table, self.comm, self.device, self.compute_dtype)
         self.optimizer_access = OptimizerAccess(self.optimizer)
         self.param_owner = ParamOwner(self.sharded_model, self.optimizer_access, self.fetcher, self.reducer.flush,
@@ -141,7 +144,7 @@ class Engine(EngineSurface, nn.Module):
             config.throughput_timer_enabled, config.throughput_timer_synchronized, config.train_batch_size,
             config.steps_per_print, report=lambda line: self.comm.rank == 0 and logger.info(line))
 
-    # DeepSpeed's counter attributes, kept in `self.counters` (counters.py)
+    # DeepSpeed's counter attributes, kept in `self.counters` (engine_parts/counters.py)
     global_steps = property(lambda self: self.counters.global_steps,
                             lambda self, value: setattr(self.counters, "global_steps", value))
     micro_steps = property(lambda self: self.counters.micro_steps,
@@ -400,7 +403,7 @@ class Engine(EngineSurface, nn.Module):
 
     def gathered_for_generation(self, eval_mode: bool = True):
         """Context: every parameter gathered once, for generate() without per-token
-        collectives; sharded again on exit (zero3/generation.py)."""
+        collectives; sharded again on exit (zero3/engine_parts/generation.py)."""
         self._check_alive()
         return generation.gathered_model(self.sharded_model, self.fetcher, self.units, eval_mode)
 
@@ -432,7 +435,7 @@ class Engine(EngineSurface, nn.Module):
         self._settle()
         self.reducer.flush()
         # Zero gradient shards of leaf parameters no rank used are not gradients: dropped
-        # before they are saved, so a load goes on as this engine does (grad_usage.py).
+        # before they are saved, so a load goes on as this engine does (grads/usage.py).
         self.reducer.usage.drop_unused_everywhere(self.comm.all_reduce, self.device)
         return checkpoint_io.save(self._training_state(), save_dir, tag, client_state or {}, save_latest,
                                   exclude_frozen_parameters, self.config.checkpoint_tag_validation,

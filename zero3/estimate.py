@@ -30,8 +30,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .config import Zero3Config, from_deepspeed
-from .units import persistent_indices
+from zero3.config import Zero3Config, from_deepspeed
+from zero3.params.units import persistent_indices
 
 CATEGORIES = ("param_shards", "resident_params", "grad_shards", "masters", "optimizer_state")
 

@@ -11,8 +11,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import zero3  # noqa: E402
 from common import config, make_batches, make_model, two_param_groups  # noqa: E402
+
+import zero3  # noqa: E402
 
 MICRO, STEPS = 2, 4
 

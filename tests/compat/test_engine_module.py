@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 
 import torch
-
 from common import config, make_batches, make_model, two_param_groups
 from harness import run_ranks
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The access patterns against DeepSpeed 0.19.8 (not collected by pytest).
 
-Runs the cases of tests/test_access_*.py (tests/access_cases.py) with `deepspeed.initialize` instead of
+Runs the cases of tests/params/test_access_*.py (tests/access_cases.py) with `deepspeed.initialize` instead of
 `zero3.initialize`, on real gloo processes (tests/harness.py), and compares them with the
 same plain-PyTorch reference; plus DeepSpeed versions of the error-path probes (rank-
 dependent control flow without a leaf, a module attached after initialize, a change made
@@ -64,12 +64,11 @@ def _install_pytest_stand_in() -> None:
 
 _install_pytest_stand_in()
 
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
-
 import importlib  # noqa: E402
 
 import access_cases  # noqa: E402
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
 
 FAMILIES = ["reads", "adapters", "control_flow", "modes", "gathered"]
 # One namespace with the machinery and every family's models, steps and workers.

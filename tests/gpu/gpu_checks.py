@@ -34,9 +34,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common import config, make_batches, make_model, two_param_groups  # noqa: E402
+
 import zero3  # noqa: E402
-from common import batch_index, config, make_batches, make_model, two_param_groups  # noqa: E402
-from zero3.export import consolidated_state_dict  # noqa: E402
+from zero3.checkpoint.export import consolidated_state_dict  # noqa: E402
 
 DEVICE = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
 MICRO = 4
@@ -305,7 +306,7 @@ def check_offload_bandwidth() -> None:
 
 
 def check_sealed_on_cuda() -> None:
-    from zero3.released import ReleasedParameterError
+    from zero3.params.released import ReleasedParameterError
 
     engines: list = []
     offload = {"zero_optimization": {"offload_param": {"device": "cpu", "pin_memory": True}}}

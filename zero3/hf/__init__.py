@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import transformers
 
-from .config_fill import ConfigFillError, fill_from_arguments, fill_from_model
-from .options import UnsupportedOptionError
-from .trainer import trainer_class
+from zero3.hf.config_fill import ConfigFillError, fill_from_arguments, fill_from_model
+from zero3.hf.options import UnsupportedOptionError
+from zero3.hf.trainer import trainer_class
 
 Trainer = trainer_class(transformers.Trainer)
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from transformers.trainer_callback import CallbackHandler
 
-from ..generation import gathered_for_generation
+from zero3.engine_parts.generation import gathered_for_generation
 
 
 class GatheredEvaluationCallbacks(CallbackHandler):

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from ..engine import Engine
+    from zero3.engine import Engine
 
 logger = logging.getLogger("zero3")
 SCHEDULER_FILE = "scheduler.pt"  # the Trainer's name for it

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ..engine import Engine
+    from zero3.engine import Engine
 
 
 class EngineOptimizer:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..released import is_released
+from zero3.params.released import is_released
 
 # TrainingArguments.optim values whose optimizer zero3 runs on flat shards (torch's own,
 # elementwise). Others may use a tensor's shape (Adafactor) or carry quantized state.

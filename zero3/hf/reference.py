@@ -30,10 +30,10 @@ import torch.distributed as dist
 from torch import nn
 from transformers import TrainerCallback
 
-from ..api import initialize
-from ..engine import Engine
-from ..gathered import GatheredParameters
-from . import config_fill
+from zero3.api import initialize
+from zero3.engine import Engine
+from zero3.engine_parts.gathered import GatheredParameters
+from zero3.hf import config_fill
 
 
 def shard_reference_model(trainer: Any) -> None:

@@ -38,11 +38,11 @@ from typing import Any
 import transformers
 from transformers.trainer import _is_peft_model
 
-from ..api import initialize
-from ..engine import Engine
-from . import checkpoints, config_fill, options, reference
-from .callbacks import GatheredEvaluationCallbacks
-from .facades import EngineOptimizer, EngineScheduler
+from zero3.api import initialize
+from zero3.engine import Engine
+from zero3.hf import checkpoints, config_fill, options, reference
+from zero3.hf.callbacks import GatheredEvaluationCallbacks
+from zero3.hf.facades import EngineOptimizer, EngineScheduler
 
 
 class Zero3TrainerMixin:

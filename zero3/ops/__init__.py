@@ -1,5 +1,5 @@
 """`deepspeed.ops`'s optimizer names (`zero3.ops.adam`), as torch optimizers."""
 
-from . import adam
+from zero3.ops import adam
 
 __all__ = ["adam"]

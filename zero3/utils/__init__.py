@@ -1,7 +1,7 @@
 """`deepspeed.utils`'s names, thin over zero3's own code.
 
 The leaf-module functions (units.py), DeepSpeed's `safe_get_full_*` / `safe_set_full_*` /
-`safe_get_local_*` / `safe_set_local_*` accessors (param_access.py: their semantics,
+`safe_get_local_*` / `safe_set_local_*` accessors (compat/param_access.py: their semantics,
 collectives and ownership are written there), `logger` and `log_dist`.
 """
 
@@ -12,21 +12,43 @@ from collections.abc import Iterable
 
 import torch.distributed as dist
 
-from ..param_access import (
+from zero3.compat.param_access import (
     get_full_fp32_param as safe_get_full_fp32_param,
+)
+from zero3.compat.param_access import (
     get_full_grad as safe_get_full_grad,
+)
+from zero3.compat.param_access import (
     get_full_optimizer_state as safe_get_full_optimizer_state,
+)
+from zero3.compat.param_access import (
     get_local_fp32_param as safe_get_local_fp32_param,
+)
+from zero3.compat.param_access import (
     get_local_grad as safe_get_local_grad,
+)
+from zero3.compat.param_access import (
     get_local_optimizer_state as safe_get_local_optimizer_state,
+)
+from zero3.compat.param_access import (
     set_full_fp32_param as safe_set_full_fp32_param,
+)
+from zero3.compat.param_access import (
     set_full_grad as safe_set_full_grad,
+)
+from zero3.compat.param_access import (
     set_full_optimizer_state as safe_set_full_optimizer_state,
+)
+from zero3.compat.param_access import (
     set_local_fp32_param as safe_set_local_fp32_param,
+)
+from zero3.compat.param_access import (
     set_local_grad as safe_set_local_grad,
+)
+from zero3.compat.param_access import (
     set_local_optimizer_state as safe_set_local_optimizer_state,
 )
-from ..units import (
+from zero3.params.units import (
     get_z3_leaf_modules,
     set_z3_leaf_module,
     set_z3_leaf_modules,

@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from .. import checkpoint_format as ckpt
+from zero3.checkpoint import format as ckpt
 
 logger = logging.getLogger("zero3")
 

@@ -1,6 +1,10 @@
 """`zero3.zero`: the names DeepSpeed scripts spell `deepspeed.zero.*`."""
 
-from ..gathered import GatheredParameters, register_external_parameter, unregister_external_parameter
-from ..init import Init
+from zero3.engine_parts.gathered import (
+    GatheredParameters,
+    register_external_parameter,
+    unregister_external_parameter,
+)
+from zero3.params.init import Init
 
 __all__ = ["GatheredParameters", "Init", "register_external_parameter", "unregister_external_parameter"]

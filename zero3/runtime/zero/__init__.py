@@ -8,10 +8,14 @@ from contextlib import contextmanager
 
 from torch import nn
 
-from ...gathered import GatheredParameters, register_external_parameter, unregister_external_parameter
-from ...generation import gathered_for_generation
-from ...init import Init
-from ...param_status import ZeroParamStatus
+from zero3.compat.param_status import ZeroParamStatus
+from zero3.engine_parts.gathered import (
+    GatheredParameters,
+    register_external_parameter,
+    unregister_external_parameter,
+)
+from zero3.engine_parts.generation import gathered_for_generation
+from zero3.params.init import Init
 
 
 @contextmanager

@@ -1,0 +1,325 @@
+"""Building an engine's parts, in the order the Engine constructor calls them.
+
+  model -> `prepare_module` (zero3.Init's shards claimed, dtype cast, rank 0's values
+  broadcast) -> `shard_parameters` (ShardedParams; non-persistent ones released) ->
+  `resolve_optimizer` (client's, a factory's, or the config's) -> `host_step_overlap`
+  (whether the CPU update runs behind the next forward: then one `BackgroundStep` is made
+  here and handed to everything that must wait for it) -> `build_reducer` ->
+  `build_fetcher` -> `build_sharded_optimizer` -> `resolve_scheduler`.
+
+Every collaborator gets what it needs at construction; nothing is patched in afterwards.
+Each function is collective where it says so (every rank calls it, in this order).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from zero3.config import Zero3Config
+from zero3.grads.reduce import GradReducer
+from zero3.grads.usage import GradUsage
+from zero3.optim.host_step import BackgroundStep
+from zero3.optim.masters import ShardedOptimizer
+from zero3.optim.optimizers import build_optimizer, build_scheduler
+from zero3.params.fetch import Fetcher
+from zero3.params.fetch_unit import FetchUnit
+from zero3.params.init import claim_init_shard, drop_forward_guards, init_shard_of
+from zero3.params.partition import ParamState, ShardedParam
+from zero3.params.released import (
+    guard_load_state_dict,
+    guard_state_dict,
+    refuse_released,
+    release_storage,
+    unseal,
+)
+from zero3.params.schedule import PrefetchPolicy
+from zero3.params.units import choose_persistent
+from zero3.params.wire import gather_rows, group_by_dtype
+from zero3.platform.collectives import Communicator
+
+ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = (
+    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, torch.optim.Adamax,
+    torch.optim.RMSprop, torch.optim.NAdam, torch.optim.RAdam, torch.optim.Rprop, torch.optim.ASGD,
+)
+
+
+class EngineError(RuntimeError):
+    """The engine cannot do what was asked (the message says why and what to do)."""
+
+
+# ------------------------------------------------------------------ the model
+def prepare_module(model: nn.Module, device: torch.device, compute_dtype: torch.dtype,
+                   comm: Communicator) -> dict[nn.Parameter, torch.Tensor]:
+    """Move `model` to `device`, parameters to `compute_dtype` (buffers keep theirs, as
+    DeepSpeed), rank 0's values everywhere. Collective. Returns the shards of parameters
+    partitioned by zero3.Init (those parameters are left empty; the caller owns the shards)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"zero3.initialize(model=...) expects an nn.Module, got {type(model).__name__}")
+    for name, p in model.named_parameters():
+        if init_shard_of(p) is None:
+            refuse_released(p, "zero3.initialize", name, fix="it was sharded by another engine or zero3.Init "
+                            "context that no longer manages it; build the model afresh (or destroy() the "
+                            "other engine first, which gathers its parameters back)")
+    init_shards = claim_init_shards(model, device, compute_dtype, comm)
+    drop_forward_guards(model)
+    model.to(device)
+    if compute_dtype != torch.float32:
+        for p in model.parameters():
+            if p.is_floating_point() and p not in init_shards:
+                p.data = p.data.to(compute_dtype)
+    built_full = [p for p in model.parameters() if p not in init_shards]
+    for module in model.modules():
+        guard_state_dict(module)  # module.state_dict() outside GatheredParameters: meta, not freed memory
+        guard_load_state_dict(module)  # module.load_state_dict() into sharded parameters: refused whole
+    broadcast_from_rank0(comm, built_full + list(model.buffers()))  # Init's shards are rank 0's already
+    return init_shards
+
+
+def claim_init_shards(model: nn.Module, device: torch.device, compute_dtype: torch.dtype,
+                      comm: Communicator) -> dict[nn.Parameter, torch.Tensor]:
+    """Take over the shards of parameters partitioned by zero3.Init, cast to the
+    compute dtype; each such parameter is left empty, on the compute device."""
+    shards: dict[nn.Parameter, torch.Tensor] = {}
+    for name, p in model.named_parameters():
+        record = claim_init_shard(p)
+        if record is None:
+            continue
+        if (record.world_size, record.rank) != (comm.world_size, comm.rank):
+            raise EngineError(
+                f"parameter {name} was partitioned by zero3.Init as rank {record.rank} of "
+                f"{record.world_size}, but this engine is rank {comm.rank} of "
+                f"{comm.world_size}; build the model and the engine in the same process group")
+        dtype = compute_dtype if p.is_floating_point() else p.dtype
+        if p.device != device or p.dtype != dtype:
+            unseal(p)
+            p.data = torch.empty(p.shape, dtype=dtype, device=device)
+            release_storage(p)
+        shards[p] = record.shard.to(dtype)
+    return shards
+
+
+def broadcast_from_rank0(comm: Communicator, tensors: list[torch.Tensor]) -> None:
+    """Rank 0's values everywhere: one broadcast per dtype over a flat copy. Collective."""
+    if not comm.active:
+        return
+    with torch.no_grad():
+        for _, group in group_by_dtype([t for t in tensors if t.numel()], lambda t: t.dtype):
+            flat = torch.cat([t.detach().reshape(-1) for t in group])
+            comm.broadcast(flat, src=0)
+            offset = 0
+            for t in group:
+                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+
+def shard_parameters(named_params: list[tuple[str, nn.Parameter]], init_shards: dict[nn.Parameter, torch.Tensor],
+                     config: Zero3Config, comm: Communicator, device: torch.device
+                     ) -> dict[nn.Parameter, ShardedParam]:
+    """ShardedParams for every parameter; non-persistent ones released. Collective (a
+    persistent parameter that arrived partitioned is gathered). Consumes `init_shards`.
+
+    At world size 1 with the shards on the compute device there is nothing to shard:
+    every parameter is aliased to its shard (partition.py) and stays resident, so no
+    gather, copy or hook work is ever done for it."""
+    zero = config.zero
+    persistent = choose_persistent(named_params, zero.param_persistence_threshold, zero.model_persistence_threshold)
+    offload = zero.offload_param.device == "cpu"
+    shard_device = torch.device("cpu") if offload else device
+    pin = offload and zero.offload_param.pin_memory
+    alias = comm.world_size == 1 and not offload
+    table: dict[nn.Parameter, ShardedParam] = {}
+    for name, p in named_params:
+        init_shard = init_shards.pop(p, None)
+        if init_shard is None:
+            give_exclusive_storage(p)
+        sp = ShardedParam(p, name, comm.rank, comm.world_size, alias or id(p) in persistent, shard_device, pin,
+                          shard=init_shard)
+        if sp.state is ParamState.FULL and not sp.persistent:
+            sp.release()
+        elif sp.state is ParamState.SHARDED and sp.persistent:
+            sp.begin_gather()  # partitioned by zero3.Init, resident by the config
+            sp.finish_gather(gather_rows(comm, sp.shard, device))
+        if alias:
+            sp.alias_shard()
+        table[p] = sp
+    return table
+
+
+def give_exclusive_storage(p: nn.Parameter) -> None:
+    """Make `p` the sole, contiguous owner of a resizable storage, so releasing it frees it
+    (Transformers' from_pretrained leaves weights in file mappings, which cannot be resized)."""
+    exclusive = (
+        p.untyped_storage().resizable()
+        and p.is_contiguous()
+        and p.storage_offset() == 0
+        and p.untyped_storage().nbytes() == p.numel() * p.element_size()
+    )
+    if not exclusive:
+        p.data = p.data.clone(memory_format=torch.contiguous_format)
+
+
+# ------------------------------------------------------------- the optimizer
+def resolve_optimizer(config: Zero3Config, optimizer: Any, model_parameters: Iterable | None,
+                      module: nn.Module) -> torch.optim.Optimizer | None:
+    """The client optimizer (an instance, or a factory called on the parameters), or the
+    config's; None when there is neither."""
+    spec = config.optimizer
+    if optimizer is not None and spec is not None:
+        raise EngineError(
+            "both a client optimizer and the config's 'optimizer' section were given; "
+            "remove one of them (DeepSpeed refuses this too)"
+        )
+    params = list(model_parameters) if model_parameters is not None else None
+    if params is None:
+        params = [p for p in module.parameters() if p.requires_grad]
+    optimizer = client_or_config(optimizer, spec, _is_optimizer_factory, build_optimizer, lambda _: params)
+    if optimizer is not None:
+        check_optimizer_is_elementwise(config, optimizer)
+    return optimizer
+
+
+def _is_optimizer_factory(value: Any) -> bool:
+    return callable(value) and not isinstance(value, torch.optim.Optimizer)
+
+
+def client_or_config(client: Any, spec: Any, is_factory: Callable[[Any], bool], build: Callable[[Any, Any], Any],
+                     argument: Callable[[bool], Any]) -> Any:
+    """What the client gave (an instance as it is, or a factory called on the argument),
+    else what the config's section `spec` builds (`build(spec, argument)`); None when
+    there is neither. `argument(from_config)` is asked for on those two paths only, and
+    may refuse with an error naming the path."""
+    if client is None:
+        return None if spec is None else build(spec, argument(True))
+    return client(argument(False)) if is_factory(client) else client
+
+
+def check_optimizer_is_elementwise(config: Zero3Config, optimizer: torch.optim.Optimizer) -> None:
+    """A client optimizer must update each element from its own state only: zero3
+    hands it flat shards, so an optimizer that uses a whole tensor's shape or norm
+    (Adafactor, LAMB, Shampoo, Muon) would be silently wrong."""
+    if isinstance(optimizer, ELEMENTWISE_OPTIMIZERS) or config.zero_allow_untested_optimizer:
+        return
+    raise EngineError(
+        f"optimizer {type(optimizer).__name__} is not one zero3 knows to be elementwise "
+        f"({', '.join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)}); it will see each "
+        "rank's flat 1-D shard, not the whole tensor. If it updates every element from "
+        "that element's own state only, set \"zero_allow_untested_optimizer\": true"
+    )
+
+
+def host_step_overlap(config: Zero3Config, optimizer: torch.optim.Optimizer | None,
+                      device: torch.device) -> BackgroundStep | None:
+    """The worker that runs the CPU optimizer update behind the next forward
+    (optim/host_step.py), or None when the update runs in step().
+
+    It needs the masters and the parameter shards on the CPU, and a torch optimizer
+    (stepped by shadow optimizers of its class, optim/masters.py). "auto" turns it on when the
+    compute device is a GPU (on a CPU it would compete with the forward for the cores)."""
+    zero = config.zero
+    setting = zero.offload_optimizer.overlap_step
+    if optimizer is None or setting is False:
+        return None
+    problems = []
+    if not (zero.offload_optimizer.enabled and zero.offload_param.enabled):
+        problems.append("it needs offload_optimizer and offload_param both on the CPU (got "
+                        f"offload_optimizer.device={zero.offload_optimizer.device!r}, "
+                        f"offload_param.device={zero.offload_param.device!r})")
+    if type(optimizer) not in ELEMENTWISE_OPTIMIZERS:
+        problems.append(f"it needs one of torch's optimizers ({', '.join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)}), "
+                        f"got {type(optimizer).__module__}.{type(optimizer).__name__}")
+    if setting == "auto":
+        return BackgroundStep() if not problems and device.type == "cuda" else None
+    if problems:
+        raise EngineError("zero_optimization.offload_optimizer.overlap_step is true, but "
+                          + "; ".join(problems) + '; set it to "auto" or false')
+    return BackgroundStep()
+
+
+def build_sharded_optimizer(config: Zero3Config, client: torch.optim.Optimizer | None,
+                            table: dict[nn.Parameter, ShardedParam], comm: Communicator,
+                            master_device: torch.device, fetcher: Fetcher, usage: GradUsage,
+                            background: BackgroundStep | None) -> ShardedOptimizer | None:
+    """The client optimizer over fp32 master shards (None without one); `usage` tells it
+    which parameters got no gradient in a window (grads/usage.py)."""
+    if client is None:
+        return None
+    zero = config.zero
+    return ShardedOptimizer(
+        client, table, comm, master_device, config.gradient_clipping,
+        check_overflow=config.precision.check_grad_overflow,
+        pin_memory=zero.offload_optimizer.device == "cpu" and zero.offload_optimizer.pin_memory,
+        sub_group_numel=zero.sub_group_size,
+        unit_order=fetcher.params_in_forward_order if background is not None else None,
+        usage=usage,
+        background=background,
+    )
+
+
+def resolve_scheduler(config: Zero3Config, lr_scheduler: Any, optimizer: ShardedOptimizer | None) -> Any:
+    """The client's scheduler (an instance, or a factory called on the optimizer), or the
+    config's; None when there is neither."""
+    spec = config.scheduler
+    if lr_scheduler is not None and spec is not None:
+        raise EngineError(
+            "both a client lr_scheduler and the config's 'scheduler' section were given; "
+            "remove one of them"
+        )
+
+    def client_optimizer(from_config: bool) -> torch.optim.Optimizer:
+        if optimizer is None:
+            raise EngineError("the config's 'scheduler' section needs an optimizer" if from_config
+                              else "an lr_scheduler factory needs an optimizer")
+        return optimizer.optimizer
+
+    return client_or_config(lr_scheduler, spec, _is_scheduler_factory, build_scheduler, client_optimizer)
+
+
+def _is_scheduler_factory(value: Any) -> bool:
+    return callable(value) and not hasattr(value, "step")
+
+
+# --------------------------------------------------- gradients and gathering
+def build_reducer(config: Zero3Config, table: dict[nn.Parameter, ShardedParam], units: list[FetchUnit],
+                  comm: Communicator, grad_device: torch.device,
+                  background: BackgroundStep | None) -> GradReducer:
+    """The gradient reducer; leaf units' gradients deferred to a point every rank shares."""
+    reducer = GradReducer(
+        list(table.values()),
+        comm,
+        bucket_numel=config.zero.reduce_bucket_size,
+        reduce_dtype=config.precision.reduce_dtype,
+        grad_device=grad_device,
+        prescale=config.prescale_gradients,
+        predivide_factor=config.gradient_predivide_factor,
+        overlap=config.zero.overlap_comm,
+        fence=background.wait if background is not None else None,
+    )
+    reducer.backward_divisor = float(config.gradient_accumulation_steps)
+    for unit in units:
+        if unit.leaf:
+            reducer.defer(unit.params)
+    return reducer
+
+
+def build_fetcher(config: Zero3Config, module: nn.Module, table: dict[nn.Parameter, ShardedParam],
+                  units: list[FetchUnit], comm: Communicator, device: torch.device,
+                  on_backward_end: Callable[[], None], reducer: GradReducer,
+                  on_structure_change: Callable[[], None], background: BackgroundStep | None) -> Fetcher:
+    """The fetcher; `on_structure_change` adopts modules attached after initialize (late_params.py)."""
+    zero = config.zero
+    return Fetcher(
+        module, table, units, comm, device, on_backward_end,
+        on_leaf_backward=reducer.reduce_deferred,
+        policy=PrefetchPolicy(
+            bucket_numel=zero.prefetch_bucket_size,
+            max_live_numel=zero.max_live_parameters,
+            reuse_distance_numel=zero.max_reuse_distance,
+            log_departures=zero.log_trace_cache_warnings,
+        ),
+        on_structure_change=on_structure_change,
+        shard_fence=background.wait_for if background is not None else None,
+    )

@@ -1,0 +1,177 @@
+"""Where averaged gradient slices end up: each ShardedParam's fp32 `grad_shard`.
+
+The reducer hands over, for one parameter, this rank's slice of the averaged gradient
+(`deliver`); the sink adds it into the parameter's gradient shard on the optimizer's
+device. The first slice of an accumulation window (`grad_shard is None`) is written, not
+added, so no zero fill is ever paid for.
+
+Two placements:
+- same device as the slice (no optimizer offload, or a CPU-only run): the first slice is
+  cast into a fresh fp32 tensor, later ones are added in place. The tensor is dropped by
+  the optimizer after its step, so between steps no gradient memory is held.
+- host, from a CUDA slice (`offload_optimizer` to the CPU): gradient shards are views of
+  one page-locked fp32 buffer owned here, allocated at first use and kept for the
+  engine's lifetime (re-faulting gigabytes of fresh host memory every step costs more
+  than the step). The slice is cast to fp32 on the GPU, on the current stream, and
+  copied by DMA on a stream of its own, so backward keeps computing while gradients go
+  down. The first slice of a window goes straight into its shard; a later one into a
+  pinned staging tensor that is added on the CPU once its copy is done (bounded: the
+  oldest staged slices are added when more than `staging_bytes` wait).
+
+Invariant: `sp.grad_sq_norm`, when not None, is the squared L2 norm of `sp.grad_shard`
+(on the GPU); the host path sets it for a window's first slice and clears it on a second.
+Whoever drops a `grad_shard` drops it too.
+
+Invariant: after `finish()` every `grad_shard` holds its complete value and no copy is
+in flight. Until then a `grad_shard` may still be being written: nothing but `finish()`
+reads it.
+
+Fence: `fence` (when set) is called before a slice is written: an optimizer update still
+running behind the forward (optim/host_step.py) reads the host buffer, which the next
+backward's slices overwrite.
+
+Memory ownership: the slices passed in belong to the caller; a slice read by the copy
+stream is marked used by that stream (`record_stream`), so the caching allocator does not
+reuse it before the copy is done.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+
+import torch
+
+from zero3.params.partition import ShardedParam
+
+
+class GradSink:
+    """Accumulates gradient slices into fp32 gradient shards on `grad_device`."""
+
+    def __init__(self, params: list[ShardedParam], grad_device: torch.device, staging_bytes: int,
+                 fence: Callable[[], None] | None = None) -> None:
+        self.grad_device = grad_device
+        self.params = [sp for sp in params if sp.requires_grad]
+        self.staging_bytes = max(int(staging_bytes), 1)
+        self._host_views: dict[int, torch.Tensor] | None = None  # id(sp) -> view of the pinned buffer
+        self._host_buffer: torch.Tensor | None = None
+        self._copy_stream: torch.cuda.Stream | None = None
+        self._copies_done: torch.cuda.Event | None = None
+        self._staged: deque[tuple[torch.cuda.Event, torch.Tensor, torch.Tensor]] = deque()
+        self._staged_bytes = 0
+        self.fence = fence
+
+    # ----------------------------------------------------------------- entry
+    def deliver(self, sp: ShardedParam, piece: torch.Tensor) -> None:
+        """Add `piece` (this rank's slice of the averaged gradient, at most shard_numel
+        elements, any floating dtype) into `sp.grad_shard`."""
+        self.deliver_many([(sp, piece)])
+
+    def deliver_many(self, pairs: list[tuple[ShardedParam, torch.Tensor]]) -> None:
+        """`deliver` for many slices at once. Slices from a GPU to host shards go down one
+        by one (`_deliver_to_host`); the others are written in two fused kernels in all
+        (`_write_local`)."""
+        if not pairs:
+            return
+        if self.fence is not None:
+            self.fence()
+        local = []
+        for sp, piece in pairs:
+            if self.grad_device.type == "cpu" and piece.device.type == "cuda":
+                self._deliver_to_host(sp, piece)
+            else:
+                local.append((sp, piece.to(self.grad_device)))
+        if len({id(sp) for sp, _ in local}) < len(local):  # one parameter's gradient twice: in order
+            for pair in local:
+                self._write_local([pair])
+        elif local:
+            self._write_local(local)
+
+    def _write_local(self, pairs: list[tuple[ShardedParam, torch.Tensor]]) -> None:
+        """Slices on the gradient device, each parameter once: the first slices of the
+        window are cast into views of one fresh fp32 buffer (`_foreach_copy_`), later ones
+        added (`_foreach_add_`). The buffer lives as long as any of its views."""
+        first = [(sp, piece) for sp, piece in pairs if sp.grad_shard is None]
+        later = [(sp, piece) for sp, piece in pairs if sp.grad_shard is not None]
+        if first:
+            flat = torch.empty(sum(sp.shard_numel for sp, _ in first), dtype=torch.float32,
+                               device=self.grad_device)
+            views, heads = [], []
+            offset = 0
+            for sp, piece in first:
+                shard = flat[offset:offset + sp.shard_numel]
+                if piece.numel() < sp.shard_numel:
+                    shard[piece.numel():].zero_()  # padding of the last rank's shard
+                views.append(shard)
+                heads.append(shard[: piece.numel()])
+                offset += sp.shard_numel
+            torch._foreach_copy_(heads, [piece for _, piece in first])
+            for (sp, _), shard in zip(first, views):
+                sp.grad_shard = shard
+        if later:
+            torch._foreach_add_([sp.grad_shard[: piece.numel()] for sp, piece in later],
+                                [piece for _, piece in later])
+
+    def finish(self) -> None:
+        """Wait for the copies in flight and add what is staged: gradients complete."""
+        if self._copies_done is not None:
+            self._copies_done.synchronize()
+            self._copies_done = None
+        while self._staged:
+            self._add_oldest_staged()
+
+    def held_bytes(self) -> int:
+        """Bytes of the persistent host buffer (0 when gradients are not kept on the host)."""
+        return 0 if self._host_buffer is None else self._host_buffer.numel() * self._host_buffer.element_size()
+
+    # ----------------------------------------------------------------- host path
+    def _deliver_to_host(self, sp: ShardedParam, piece: torch.Tensor) -> None:
+        """The first slice's squared norm is taken on the GPU on its way down
+        (`sp.grad_sq_norm`): a norm over gigabytes of host gradients costs more than
+        the CPU optimizer step."""
+        source = piece.float() if piece.dtype != torch.float32 else piece
+        if sp.grad_shard is None:
+            sp.grad_sq_norm = torch.linalg.vector_norm(source, dtype=torch.float64).square()
+        stream = self._stream(source.device)
+        stream.wait_stream(torch.cuda.current_stream(source.device))
+        source.record_stream(stream)
+        with torch.cuda.stream(stream):
+            if sp.grad_shard is None:
+                shard = self._host_view(sp)
+                shard[: source.numel()].copy_(source, non_blocking=True)
+                sp.grad_shard = shard
+            else:
+                sp.grad_sq_norm = None  # a second slice: the norm is the host's to compute
+                staging = torch.empty(source.numel(), dtype=torch.float32, pin_memory=True)
+                staging.copy_(source, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(stream)
+                self._staged.append((event, staging, sp.grad_shard))
+                self._staged_bytes += staging.numel() * 4
+            self._copies_done = torch.cuda.Event()
+            self._copies_done.record(stream)
+        while self._staged_bytes > self.staging_bytes and len(self._staged) > 1:
+            self._add_oldest_staged()
+
+    def _add_oldest_staged(self) -> None:
+        event, staging, shard = self._staged.popleft()
+        event.synchronize()
+        shard[: staging.numel()].add_(staging)
+        self._staged_bytes -= staging.numel() * 4
+
+    def _stream(self, device: torch.device) -> torch.cuda.Stream:
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(device)
+        return self._copy_stream
+
+    def _host_view(self, sp: ShardedParam) -> torch.Tensor:
+        """`sp`'s slot in the pinned buffer (allocated at first use, zero padding)."""
+        if self._host_views is None:
+            total = sum(p.shard_numel for p in self.params)
+            self._host_buffer = torch.zeros(total, dtype=torch.float32, pin_memory=True)
+            self._host_views = {}
+            offset = 0
+            for p in self.params:
+                self._host_views[id(p)] = self._host_buffer[offset:offset + p.shard_numel]
+                offset += p.shard_numel
+        return self._host_views[id(sp)]

@@ -1,0 +1,455 @@
+"""fp32 master shards, the client optimizer remapped onto them, clipping.
+
+Memory ownership: `ShardedOptimizer` owns one fp32 master shard per trainable parameter
+(`masters[i]` pairs with `params[i]`). When the compute dtype is fp32 and the master lives
+on the same device as the shard, the master *is* the compute shard (no second copy).
+The client optimizer's param groups are rewritten in place to hold the masters, so its
+hyper-parameters, its identity (lr schedulers hold it) and its state_dict format are kept;
+its per-parameter state (exp_avg, ...) is therefore shard-sized.
+
+Step, at the gradient-accumulation boundary:
+  grads (ShardedParam.grad_shard) -> master.grad, None for a parameter no rank produced a
+  gradient for in the window (torch optimizers then leave it and its state alone, as in
+  plain PyTorch; grads/usage.py says how a leaf's unused parameters are told apart from
+  the zeros reduced for them); optional global-norm clipping;
+  the update, sub-group by sub-group (DeepSpeed's `sub_group_size`: at most that many
+  elements, whole parameters, per optimizer call); master -> compute shard per sub-group;
+  resident parameters re-gathered; grads dropped.
+
+Overlapped host step (optim/host_step.py): with the masters and the parameter shards both on
+the CPU, the update may run on a worker thread behind the next forward. Sub-groups then
+also end at fetch-unit ends, in the order the units were entered in the last forward
+(resident parameters first, since the step's own re-gather reads them), and each one is
+stepped by a *shadow* optimizer: a torch optimizer of the client's class over that
+sub-group's masters, sharing the client's `state` dict, with the client's hyper-
+parameters copied in when the step starts (so an lr scheduler stepping right after
+`step()` returns cannot race with the update).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from zero3.grads.usage import GradUsage
+from zero3.optim.host_step import BackgroundStep
+from zero3.params.partition import ShardedParam
+from zero3.platform.collectives import Communicator
+
+MAX_CACHED_SHADOWS = 4096  # shadow optimizers hold references only, no tensors of their own
+
+# Orders the fetch units were last entered in, each unit's parameters (fetch.py).
+UnitOrder = Callable[[], list[list[ShardedParam]]]
+
+
+class OptimizerSetupError(ValueError):
+    """The client optimizer cannot be mapped onto the model's shards."""
+
+
+class ShardedOptimizer:
+    """The client optimizer, stepping on this rank's fp32 master shards."""
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        table: dict[torch.nn.Parameter, ShardedParam],
+        comm: Communicator,
+        master_device: torch.device,
+        gradient_clipping: float,
+        check_overflow: bool = False,
+        pin_memory: bool = False,
+        sub_group_numel: int = 0,
+        unit_order: UnitOrder | None = None,
+        usage: GradUsage | None = None,
+        background: BackgroundStep | None = None,
+    ) -> None:
+        """`sub_group_numel`: elements per optimizer call (0: all at once). `unit_order`:
+        given only when the update is to run behind the next forward (see the module doc), on
+        `background`, the worker the fetcher and gradient sink were built to wait for.
+        `usage`: which leaf parameters got a real gradient in the window (grads/usage.py);
+        None when every gradient shard stands for a real gradient."""
+        self.optimizer = optimizer
+        self.comm = comm
+        self.master_device = master_device
+        self.gradient_clipping = gradient_clipping
+        self.check_overflow = check_overflow
+        self.pin_memory = pin_memory and master_device.type == "cpu" and torch.cuda.is_available()
+        self.params: list[ShardedParam] = []
+        self.masters: list[torch.Tensor] = []
+        self._last_norm: torch.Tensor | float | None = None
+        self.sub_group_numel = max(int(sub_group_numel), 0)
+        self.unit_order = unit_order
+        self.usage = usage
+        self.background = background or BackgroundStep()
+        self._shadows: dict[tuple[int, ...], torch.optim.Optimizer] = {}
+        self._remap_param_groups(table)
+        self._client_group_of = [
+            index for index, group in enumerate(self.optimizer.param_groups) for _ in group["params"]]
+
+    # ------------------------------------------------------------------ setup
+    def _master_for(self, sp: ShardedParam) -> torch.Tensor:
+        shares_storage = sp.shard.dtype == torch.float32 and sp.shard.device == self.master_device
+        if shares_storage:
+            return sp.shard
+        master = sp.shard.to(self.master_device, torch.float32, copy=True)
+        return master.pin_memory() if self.pin_memory else master
+
+    def _remap_param_groups(self, table: dict[torch.nn.Parameter, ShardedParam]) -> None:
+        if self.optimizer.state:
+            raise OptimizerSetupError(
+                "the optimizer passed to zero3.initialize already has state (it has stepped); "
+                "build it fresh over model.parameters() and pass it before the first step"
+            )
+        for index, group in enumerate(self.optimizer.param_groups):
+            masters = []
+            for p in group["params"]:
+                sp = table.get(p)
+                if sp is None:
+                    raise OptimizerSetupError(
+                        f"param group {index} of the optimizer holds a tensor of shape "
+                        f"{tuple(p.shape)} that is not a parameter of the model; build the "
+                        "optimizer over model.parameters() (or a subset of them)"
+                    )
+                if not sp.requires_grad:
+                    continue  # frozen: never has a gradient, needs no master
+                self.params.append(sp)
+                master = self._master_for(sp)
+                self.masters.append(master)
+                masters.append(master)
+            group["params"] = masters
+        self._master_by_param = {id(sp): m for sp, m in zip(self.params, self.masters)}
+        self._prefer_fused_kernels()
+
+    def _prefer_fused_kernels(self) -> None:
+        """Adam, AdamW and SGD over the shards run as one fused kernel per group, unless
+        the user chose an implementation (foreach=... or fused=...) explicitly."""
+        if not isinstance(self.optimizer, (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)):
+            return
+        for group in self.optimizer.param_groups:
+            explicit = group.get("foreach") is not None or group.get("fused") is not None
+            if not explicit and not group.get("differentiable") and group["params"]:
+                group["fused"] = True
+
+    # ------------------------------------------------------------------- step
+    @property
+    def last_grad_norm(self) -> float | None:
+        """The global gradient norm of the last step (read from the device on first use:
+        the step itself never waits for it unless overflow checking needs it)."""
+        if self._last_norm is None:
+            return None
+        if not isinstance(self._last_norm, float):
+            self._last_norm = math.sqrt(float(self._last_norm.item()))
+        return self._last_norm
+
+    def global_grad_norm_squared(self, grad_divisor: float = 1.0) -> torch.Tensor:
+        """Squared L2 norm of the full gradient (fp64, one element, on the device where it
+        was reduced); each element lives in exactly one rank's shard. No host sync.
+        `grad_divisor`: what the gradients were divided by after their norms were taken."""
+        local = self._local_grad_norm_squared(grad_divisor)
+        self.comm.all_reduce(local)
+        return local
+
+    def _norm_and_unused(self, grad_divisor: float) -> tuple[torch.Tensor, list[ShardedParam]]:
+        """The global squared gradient norm, and the leaf parameters no rank used in the
+        window (grads/usage.py): one all-reduce carries both, the usage counts after the norm."""
+        local = self._local_grad_norm_squared(grad_divisor)
+        if self.usage is None or not self.usage.size:
+            self.comm.all_reduce(local)
+            return local, []
+        both = torch.cat([local, self.usage.local_counts(local.dtype, local.device)])
+        self.comm.all_reduce(both)
+        return both[:1], self.usage.unused_everywhere(both[1:])
+
+    def _local_grad_norm_squared(self, grad_divisor: float) -> torch.Tensor:
+        """This rank's part of the squared norm (fp64, one element), on the device the
+        all-reduce runs on."""
+        grads, known = [], []
+        for sp, m in zip(self.params, self.masters):
+            if m.grad is None:
+                continue
+            if sp.grad_sq_norm is not None and m.grad is sp.grad_shard:
+                known.append(sp.grad_sq_norm)  # taken on the GPU on the way to the host
+            else:
+                grads.append(m.grad)
+        local = torch.zeros(1, dtype=torch.float64, device=self.master_device)
+        if grads:
+            # One fused pass for all shards, whatever their number.
+            norms = torch._foreach_norm(grads, 2.0)
+            local = local + torch.stack(norms).double().pow(2).sum()
+        if known:
+            local = local + torch.stack(known).sum().to(self.master_device) / grad_divisor ** 2
+        if self.comm.active and local.device.type == "cpu" and torch.cuda.is_available() and dist_backend_is_nccl():
+            local = local.cuda()
+        return local
+
+    def global_grad_norm(self) -> float:
+        """L2 norm of the full gradient (waits for it)."""
+        return math.sqrt(float(self.global_grad_norm_squared().item()))
+
+    def _clip(self, squared_norm: torch.Tensor) -> None:
+        """Scale the gradients by min(1, clip / (norm + 1e-6)), as torch's clip_grad_norm_,
+        computed on the device (no host sync)."""
+        grads = [m.grad for m in self.masters if m.grad is not None]  # all on master_device
+        if not grads:
+            return
+        coefficient = (self.gradient_clipping / (squared_norm.sqrt() + 1e-6)).clamp(max=1.0)
+        torch._foreach_mul_(grads, coefficient.to(self.master_device, torch.float32).reshape(()))
+
+    def step(self, grad_divisor: float = 1.0) -> bool:
+        """One optimizer step over the shards; grads are consumed.
+
+        `grad_divisor` undoes fp16 loss scaling before the norm, clipping and update.
+
+        Returns False (and changes nothing but the gradients, which are dropped) when
+        overflow checking is on and the global gradient norm is inf or nan; when the skip
+        is decided inside the fused kernel (`_skips_in_kernel`), an overflow on the very
+        first step still creates the optimizer state, as zeros at step 0, which is what an
+        untouched state means. With an overlapped host step the update may still be
+        running when this returns.
+        """
+        self.background.wait()
+        for sp, master in zip(self.params, self.masters):
+            # None: no rank produced a gradient for it in this window. torch optimizers skip
+            # it (state, step count and weight decay untouched), as plain PyTorch does.
+            master.grad = sp.grad_shard
+        with_grad = [m.grad for m in self.masters if m.grad is not None]
+        if grad_divisor != 1.0 and with_grad:
+            torch._foreach_div_(with_grad, grad_divisor)
+        squared, unused = self._norm_and_unused(grad_divisor)
+        for sp in unused:  # zeros reduced by every rank for a leaf parameter none of them used
+            if id(sp) in self._master_by_param:
+                self._master_by_param[id(sp)].grad = None
+        self._last_norm = squared
+        skip_in_kernel = self._skips_in_kernel(squared)
+        if self.check_overflow and not skip_in_kernel and not math.isfinite(self.last_grad_norm):
+            self.zero_grad()
+            return False
+        grad_scale = None
+        if self.gradient_clipping > 0:
+            if self._fused_kernels_unscale():
+                grad_scale = self._clip_divisor(squared)
+            else:
+                self._clip(squared)
+        groups = self._separate_first_momentum(self.sub_groups())
+        if self.unit_order is not None:
+            self._start_background(groups, grad_scale)
+            self._drop_shard_grads()  # the masters' .grad go with their sub-group, on the worker
+            return True
+        self.optimizer.grad_scale = grad_scale
+        self.optimizer.found_inf = (~torch.isfinite(squared)).float().reshape(()) if skip_in_kernel else None
+        try:
+            self._step_in_sub_groups(groups)
+        finally:
+            self.optimizer.grad_scale = None
+            self.optimizer.found_inf = None
+        self.zero_grad()
+        # With the skip decided in the kernel, the host learns of it only now, while the
+        # device runs the update it queued: masters and state are unchanged on overflow.
+        return not (skip_in_kernel and not math.isfinite(self.last_grad_norm))
+
+    def _skips_in_kernel(self, squared_norm: torch.Tensor) -> bool:
+        """Overflow checking without a host sync before the update: torch's fused Adam and
+        AdamW kernels leave parameters, moments and step counts untouched when their
+        `found_inf` input is 1 (the hook GradScaler uses). On a GPU only: there the sync
+        would leave the device idle while the host prepares the update."""
+        return (self.check_overflow and self.unit_order is None and squared_norm.device.type == "cuda"
+                and self._runs_fused(torch.optim.Adam, torch.optim.AdamW))
+
+    def _fused_kernels_unscale(self) -> bool:
+        """True when every group runs torch's fused Adam / AdamW / SGD kernel, which divides
+        the gradients by the optimizer's `grad_scale` tensor as it reads them (the hook
+        GradScaler uses): clipping then costs no pass of its own over the gradients."""
+        return self._runs_fused(torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
+
+    def _runs_fused(self, *classes: type) -> bool:
+        """The client is one of `classes` and every group runs its fused kernel."""
+        return isinstance(self.optimizer, classes) and all(
+            group.get("fused") for group in self.optimizer.param_groups)
+
+    def _clip_divisor(self, squared_norm: torch.Tensor) -> torch.Tensor:
+        """1 / min(1, clip / (norm + 1e-6)): what the gradients are divided by (one fp32
+        element on the masters' device; no host sync on the GPU)."""
+        coefficient = (self.gradient_clipping / (squared_norm.sqrt() + 1e-6)).clamp(max=1.0)
+        return (1.0 / coefficient).to(self.master_device, torch.float32).reshape(())
+
+    # ------------------------------------------------------------- sub-groups
+    def sub_groups(self) -> list[list[int]]:
+        """Indices into `params`, one list per optimizer call, in the order they run."""
+        if self.unit_order is None:
+            return self._split(list(range(len(self.params))))
+        position = {id(sp): i for i, sp in enumerate(self.params)}
+        resident = [i for i, sp in enumerate(self.params) if sp.persistent]
+        taken = set(resident)
+        groups = [resident] if resident else []
+        for unit_params in self.unit_order():
+            members = []
+            for sp in unit_params:
+                i = position.get(id(sp))
+                if i is not None and i not in taken:
+                    taken.add(i)
+                    members.append(i)
+            groups.extend(self._split(members))
+        groups.extend(self._split([i for i in range(len(self.params)) if i not in taken]))
+        return groups
+
+    def _separate_first_momentum(self, groups: list[list[int]]) -> list[list[int]]:
+        """torch's fused SGD treats a call's momentum buffers as all first (none exists yet)
+        or all later ones, and fails on a mix. A parameter stepped for the first time next
+        to parameters that have stepped before (it had no gradient until now) is stepped in
+        a call of its own, just before the rest of its sub-group (the result is the same:
+        the update is elementwise)."""
+        if not isinstance(self.optimizer, torch.optim.SGD):
+            return groups
+        state = self.optimizer.state
+
+        def first(i: int) -> bool:
+            master = self.masters[i]
+            return master.grad is not None and state.get(master, {}).get("momentum_buffer") is None
+
+        separated = []
+        for group in groups:
+            new = [i for i in group if first(i)]
+            rest = [i for i in group if not first(i)]
+            if new and any(self.masters[i].grad is not None for i in rest):
+                separated += [new, rest]
+            else:
+                separated.append(group)
+        return separated
+
+    def _split(self, indices: list[int]) -> list[list[int]]:
+        """Consecutive runs of at most `sub_group_numel` elements (whole parameters)."""
+        if not indices:
+            return []
+        if not self.sub_group_numel:
+            return [indices]
+        groups: list[list[int]] = [[]]
+        numel = 0
+        for i in indices:
+            size = self.masters[i].numel()
+            if groups[-1] and numel + size > self.sub_group_numel:
+                groups.append([])
+                numel = 0
+            groups[-1].append(i)
+            numel += size
+        return groups
+
+    def _step_in_sub_groups(self, groups: list[list[int]]) -> None:
+        """The client optimizer over one sub-group at a time: only that group's masters
+        hold a gradient during its call, so the others are skipped (torch optimizers skip
+        parameters whose .grad is None). One sub-group: one plain call."""
+        if len(groups) == 1:
+            self.optimizer.step()
+            self._write_back_shards(groups[0])
+            return
+        grads = [m.grad for m in self.masters]
+        for master in self.masters:
+            master.grad = None
+        for group in groups:
+            for i in group:
+                self.masters[i].grad = grads[i]
+            self.optimizer.step()
+            self._write_back_shards(group)
+            for i in group:
+                self.masters[i].grad = None
+
+    def _start_background(self, groups: list[list[int]], grad_scale: torch.Tensor | None) -> None:
+        """Hand the update to the worker, one shadow optimizer per sub-group, with the
+        client's hyper-parameters as they are now."""
+        shadows = [self._shadow(tuple(group)) for group in groups]
+        for shadow in shadows:
+            shadow.state = self.optimizer.state  # rebound each step: load_state_dict replaces it
+            shadow.grad_scale = grad_scale
+            for shadow_group in shadow.param_groups:
+                client_group = self.optimizer.param_groups[shadow_group["client_group"]]
+                # Tensors copied too: schedulers may update a tensor lr in place.
+                shadow_group.update({k: v.clone() if isinstance(v, torch.Tensor) else v
+                                     for k, v in client_group.items() if k != "params"})
+
+        def run(index: int) -> None:
+            shadows[index].step()
+            self._write_back_shards(groups[index])
+            for i in groups[index]:
+                self.masters[i].grad = None
+
+        self.background.start([[self.params[i] for i in group] for group in groups], run)
+        # lr schedulers warn when the optimizer they wrap was never stepped.
+        self.optimizer._opt_called = True  # type: ignore[attr-defined]
+
+    def _shadow(self, group: tuple[int, ...]) -> torch.optim.Optimizer:
+        """A torch optimizer of the client's class over the masters of `group` (cached)."""
+        shadow = self._shadows.get(group)
+        if shadow is None:
+            if len(self._shadows) >= MAX_CACHED_SHADOWS:  # the unit order keeps changing
+                self._shadows.clear()
+            by_client_group: dict[int, list[torch.Tensor]] = {}
+            for i in group:
+                by_client_group.setdefault(self._client_group_of[i], []).append(self.masters[i])
+            param_groups = [
+                {**{k: v for k, v in self.optimizer.param_groups[c].items() if k != "params"},
+                 "params": masters, "client_group": c}
+                for c, masters in by_client_group.items()
+            ]
+            shadow = type(self.optimizer)(param_groups)
+            self._shadows[group] = shadow
+        return shadow
+
+    def wait(self) -> None:
+        """Until the update in flight (if any) is complete: call before reading or writing
+        masters, optimizer state or parameter shards outside the fetch path."""
+        self.background.wait()
+
+    def settled_masters(self) -> dict[int, torch.Tensor]:
+        """id(ShardedParam) -> its fp32 master, once the update in flight is complete."""
+        self.wait()
+        return {id(sp): master for sp, master in zip(self.params, self.masters)}
+
+
+    def _write_back_shards(self, group: list[int]) -> None:
+        """master -> compute shard (a cast), one fused copy per device pair."""
+        pairs: dict[tuple[torch.device, torch.device], tuple[list, list]] = {}
+        for i in group:
+            sp, master = self.params[i], self.masters[i]
+            if master is not sp.shard:
+                shards, sources = pairs.setdefault((sp.shard.device, master.device), ([], []))
+                shards.append(sp.shard)
+                sources.append(master)
+        with torch.no_grad():
+            for (shard_device, master_device), (shards, sources) in pairs.items():
+                if shard_device == master_device:
+                    torch._foreach_copy_(shards, sources)
+                else:
+                    for shard, source in zip(shards, sources):
+                        shard.copy_(source)
+
+    def _drop_shard_grads(self) -> None:
+        """The window is over: gradient shards dropped, usage forgotten."""
+        for sp in self.params:
+            sp.grad_shard = None
+            sp.grad_sq_norm = None
+        if self.usage is not None:
+            self.usage.reset()
+
+    def zero_grad(self) -> None:
+        self._drop_shard_grads()
+        for master in self.masters:
+            master.grad = None
+
+    def master_of(self, sp: ShardedParam) -> torch.Tensor | None:
+        """The fp32 master of `sp`, or None for a parameter the optimizer does not step
+        (after the update in flight, if any)."""
+        self.wait()
+        return self._master_by_param.get(id(sp))
+
+
+def dist_backend_is_nccl() -> bool:
+    return dist.is_initialized() and dist.get_backend() == "nccl"
+
+
+def settle(optimizer: ShardedOptimizer | None) -> None:
+    """Wait for `optimizer`'s update in flight, if there is an optimizer: before code
+    outside the step reads or writes parameter shards, masters or optimizer state."""
+    if optimizer is not None:
+        optimizer.wait()

@@ -1,0 +1,189 @@
+"""ShardedParam: the layout of one parameter's shard and its state machine.
+
+Layout: the parameter is flattened and padded to `shard_numel * world_size` elements;
+rank r owns elements [r * shard_numel, (r + 1) * shard_numel). Elements at or past
+`numel` are padding: zero in the shard, never written to the parameter, never saved.
+
+Memory ownership:
+- `shard` (compute dtype, on `shard_device`) is owned by this object and is the
+  persistent copy of this rank's slice of the parameter's values.
+- The `nn.Parameter`'s own storage holds the full values only while the state is FULL.
+  In SHARDED its storage is resized to zero bytes, but the tensor keeps its shape, dtype
+  and device, so `p.shape`, `p.numel()` and `p.dtype` stay honest; it is sealed
+  (released.py), so code outside zero3 that touches its values gets a named error.
+- `grad_shard` (fp32, same device as the optimizer's master) accumulates this rank's
+  slice of the averaged gradient; it is owned here and handed to the optimizer.
+
+State transitions, and only these, are done by the methods below; each checks the state
+it starts from:  SHARDED --begin_gather--> GATHERING --finish_gather--> FULL --release--> SHARDED
+
+Aliasing (world size 1, shard on the parameter's own device): after `alias_shard()` the
+shard *is* a flat view of the parameter's storage, the parameter is resident for good
+(FULL, never released), and writing the shard (optimizer write-back, checkpoint load)
+writes the parameter. Nothing is ever gathered or copied for it.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+from zero3.params.released import name_for_errors, refuse_released, release_storage, restore_storage
+from zero3.params.shard_layout import copy_rows, owned_range, shard_numel_for
+
+
+class ParamState(enum.Enum):
+    SHARDED = "sharded"
+    GATHERING = "gathering"
+    FULL = "full"
+
+
+class StateError(RuntimeError):
+    """A transition was asked for from the wrong state: an engine invariant is broken."""
+
+
+class ShardedParam:
+    """One managed parameter: its shard, its gradient shard and its gather state."""
+
+    def __init__(
+        self,
+        param: torch.nn.Parameter,
+        name: str,
+        rank: int,
+        world_size: int,
+        persistent: bool,
+        shard_device: torch.device,
+        pin_memory: bool = False,
+        shard: torch.Tensor | None = None,
+    ) -> None:
+        """`shard` given: the parameter was partitioned already (zero3.Init) and is SHARDED,
+        its storage empty; this object takes `shard` over (moved to `shard_device`).
+        Otherwise the parameter is FULL and its local slice is copied out of it."""
+        self.param = param
+        self.name = name
+        name_for_errors(param, name)
+        self.rank = rank
+        self.world_size = world_size
+        self.numel = param.numel()
+        self.shape = param.shape
+        self.dtype = param.dtype
+        self.shard_numel = shard_numel_for(self.numel, world_size)
+        # A zero-size parameter has nothing to gather: it is simply always resident.
+        self.persistent = persistent or self.numel == 0
+        self.shard_device = shard_device
+        self.holds = 0
+        if shard is None:
+            self.state = ParamState.FULL
+            self.shard = self._take_local_shard()
+        else:
+            if shard.numel() != self.shard_numel:
+                raise StateError(f"{name}: a shard of {shard.numel()} elements for {world_size} ranks, "
+                                 f"expected {self.shard_numel}")
+            self.state = ParamState.SHARDED
+            self.shard = shard.to(shard_device)
+        if pin_memory and self.shard.device.type == "cpu" and torch.cuda.is_available():
+            self.shard = self.shard.pin_memory()  # host shard copied to the GPU asynchronously
+        self.grad_shard: torch.Tensor | None = None
+        # squared L2 norm of grad_shard when known on the device (grads/sink.py), else None
+        self.grad_sq_norm: torch.Tensor | None = None
+        self.aliased = False
+
+    # ----------------------------------------------------------------- layout
+    @property
+    def padded_numel(self) -> int:
+        return self.shard_numel * self.world_size
+
+    @property
+    def requires_grad(self) -> bool:
+        return self.param.requires_grad
+
+    def range_of(self, rank: int) -> tuple[int, int]:
+        """[start, end) of the unpadded elements that `rank` owns (possibly empty)."""
+        return owned_range(self.numel, self.shard_numel, rank)
+
+    @property
+    def local_valid_numel(self) -> int:
+        start, end = self.range_of(self.rank)
+        return end - start
+
+    def padded_flat(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` flattened and zero-padded to padded_numel (a new tensor if padding)."""
+        flat = tensor.reshape(-1)
+        pad = self.padded_numel - self.numel
+        return torch.nn.functional.pad(flat, (0, pad)) if pad else flat
+
+    def _take_local_shard(self) -> torch.Tensor:
+        start = self.rank * self.shard_numel
+        flat = self.padded_flat(self.param.detach())
+        return flat[start:start + self.shard_numel].to(self.shard_device, copy=True)
+
+    # ------------------------------------------------------------ transitions
+    def _expect(self, state: ParamState, verb: str) -> None:
+        if self.state is not state:
+            raise StateError(
+                f"{verb}({self.name}): parameter is {self.state.value}, expected {state.value}"
+            )
+
+    def release(self) -> None:
+        """FULL -> SHARDED: free the full storage; metadata stays."""
+        self._expect(ParamState.FULL, "release")
+        if self.persistent:
+            raise StateError(f"release({self.name}): persistent parameters stay full")
+        release_storage(self.param)
+        self.state = ParamState.SHARDED
+
+    def alias_shard(self) -> None:
+        """FULL -> FULL, resident for good: the shard becomes a view of the parameter's
+        storage (the separate shard copy is freed). Only at world size 1 with the shard
+        on the parameter's device, where the shard and the parameter hold the same values."""
+        self._expect(ParamState.FULL, "alias_shard")
+        if self.world_size != 1 or self.shard.device != self.param.device or not self.param.is_contiguous():
+            raise StateError(f"alias_shard({self.name}): needs world size 1, the shard on the parameter's "
+                             f"device and a contiguous parameter (world {self.world_size}, shard on "
+                             f"{self.shard.device}, parameter on {self.param.device})")
+        self.shard = self.param.data.view(-1)
+        self.persistent = True
+        self.aliased = True
+
+    def begin_gather(self) -> None:
+        """SHARDED -> GATHERING: allocate the full storage back (values not yet valid)."""
+        self._expect(ParamState.SHARDED, "begin_gather")
+        restore_storage(self.param)
+        self.state = ParamState.GATHERING
+
+    def finish_gather(self, rows: torch.Tensor) -> None:
+        """GATHERING -> FULL: write the gathered values in place.
+
+        `rows` is a [world_size, shard_numel] view of the all-gather output (row r is rank
+        r's shard). The write does not bump autograd's version counter, so tensors saved
+        in forward are valid again once the parameter is gathered for backward.
+        """
+        self._expect(ParamState.GATHERING, "finish_gather")
+        self.write_rows(rows)
+        self.state = ParamState.FULL
+
+    def refresh(self, rows: torch.Tensor) -> None:
+        """FULL -> FULL: new values after an optimizer step, for resident parameters."""
+        self._expect(ParamState.FULL, "refresh")
+        if not self.aliased:  # an aliased parameter's values are its shard's already
+            self.write_rows(rows)
+
+    def write_rows(self, rows: torch.Tensor) -> None:
+        """Copy the unpadded part of `rows` ([world_size, shard_numel]) into the parameter;
+        refuses (ReleasedParameterError) a parameter whose storage something else freed."""
+        refuse_released(self.param, "writing gathered or updated values", self.name,
+                        fix="something outside zero3 freed or replaced its storage; leave a managed "
+                        "parameter's storage and `.data` to zero3 (change values with GatheredParameters)")
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.param):
+            copy_rows(self.param.data.view(-1), rows, self.shard_numel, into_rows=False)
+
+    def pack_rows(self, flat: torch.Tensor, rows: torch.Tensor) -> None:
+        """Copy `flat` (numel values) into a zeroed [world_size, shard_numel] block `rows`."""
+        copy_rows(flat.reshape(-1), rows, self.shard_numel, into_rows=True)
+
+    def __repr__(self) -> str:
+        return (
+            f"ShardedParam({self.name}, numel={self.numel}, shard={self.shard_numel}, "
+            f"state={self.state.value}, persistent={self.persistent})"
+        )
