@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
@@ -10,7 +9,7 @@ import torch.distributed as dist
 
 from zero3.config import ConfigError, Zero3Config, from_deepspeed
 from zero3.engine import Engine
-from zero3.platform.device import get_accelerator, local_rank
+from zero3.platform.device import choose_cuda_device, get_accelerator
 from zero3.platform.process_group import init_distributed, register_exit_teardown
 
 
@@ -34,8 +33,8 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
         register_exit_teardown()
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     accelerator = get_accelerator()
-    if accelerator.device_name() == "cuda" and "LOCAL_RANK" in os.environ:
-        accelerator.set_device(local_rank())
+    if accelerator.device_name() == "cuda":
+        accelerator.set_device(choose_cuda_device())  # the device by the rule of device.py, the shard by RANK
     parsed = _parse_on_every_rank(config, world_size)
     engine = Engine(model, parsed, optimizer=optimizer, model_parameters=model_parameters,
                     lr_scheduler=lr_scheduler)

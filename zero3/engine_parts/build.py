@@ -130,7 +130,7 @@ def shard_parameters(named_params: list[tuple[str, nn.Parameter]], init_shards: 
     offload = zero.offload_param.device == "cpu"
     shard_device = torch.device("cpu") if offload else device
     pin = offload and zero.offload_param.pin_memory
-    alias = comm.world_size == 1 and not offload
+    alias = not comm.active and not offload  # world size 1 without the real-collectives switch
     table: dict[nn.Parameter, ShardedParam] = {}
     for name, p in named_params:
         init_shard = init_shards.pop(p, None)

@@ -175,7 +175,7 @@ class Fetcher:
         # World size 1 with every parameter resident (aliased to its shard): nothing is
         # ever gathered, so only the root's hooks run (structure checks, backward end);
         # no per-module hook, access registration or saved-tensor hook.
-        self.all_resident = comm.world_size == 1 and all(sp.persistent for sp in table.values())
+        self.all_resident = not comm.active and all(sp.persistent for sp in table.values())
         names = Names(root, [u.name for u in units], [sp.name for sp in table.values()])
         self.guard = GatherGuard(names, comm.gather_objects, comm.rank, comm.world_size)
         param_index = {id(sp): i for i, sp in enumerate(table.values())}

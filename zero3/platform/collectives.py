@@ -6,6 +6,12 @@ of each call (for an all-gather, the shard this rank contributes; for a reduce-s
 the full buffer this rank reduces). With world size 1 no collective is issued and
 nothing is counted: the data is copied locally.
 
+`ZERO3_COLLECTIVES_AT_WORLD_SIZE_1=1` makes world size 1 take exactly the path of world
+size N: the same all-gathers and reduce-scatters through the process group, the same
+buffers and streams (with NCCL, its asynchronous completion and the caching allocator's
+cross-stream reuse are then exercised on one GPU). It is read once, when the engine's
+Communicator is built; it changes no value, only which path computes it. Off by default.
+
 Asynchronous collectives (`*_async`) return at once; their completion callback runs when
 they are drained. Invariant: at most the outstanding asynchronous collectives run ahead
 of the host, and every collective call (synchronous or not) first drains them, in issue
@@ -20,6 +26,8 @@ from collections import defaultdict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import os
+
 import torch
 import torch.distributed as dist
 
@@ -27,6 +35,9 @@ import torch.distributed as dist
 # the *_tensor spelling, which 2.13 still accepts with a deprecation warning.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+COLLECTIVES_AT_WORLD_SIZE_1 = "ZERO3_COLLECTIVES_AT_WORLD_SIZE_1"
 
 
 @dataclass
@@ -84,11 +95,12 @@ class Communicator:
         self.counters = CommCounters()
         self._outstanding: deque[Pending] = deque()
         self.on_cuda = self.distributed and dist.get_backend(group) == "nccl"
+        self.collectives_at_world_size_1 = os.environ.get(COLLECTIVES_AT_WORLD_SIZE_1, "") == "1"
 
     @property
     def active(self) -> bool:
-        """True when collectives are really issued (world size above 1)."""
-        return self.distributed and self.world_size > 1
+        """True when collectives are really issued (world size above 1, or the switch on)."""
+        return self.distributed and (self.world_size > 1 or self.collectives_at_world_size_1)
 
     # ------------------------------------------------------------ asynchronous
     def drain(self) -> None:

@@ -3,6 +3,18 @@
 `get_accelerator()` answers the calls DeepSpeed scripts make on
 `deepspeed.accelerator.get_accelerator()`. Set ZERO3_ACCELERATOR=cpu to force the CPU
 path on a machine that has a GPU.
+
+Which CUDA device a process computes on (`choose_cuda_device`, applied by
+`zero3.init_distributed` and `zero3.initialize`): zero3 never asks for a device the
+process cannot see.
+1. One visible GPU is every rank's (a scheduler binding one GPU to each task through
+   CUDA_VISIBLE_DEVICES, or several ranks sharing one card over gloo).
+2. A device the process chose itself (`torch.cuda.set_device(i)` before zero3, i other
+   than the default 0) is kept.
+3. Otherwise LOCAL_RANK's device, when LOCAL_RANK names a visible GPU.
+4. A LOCAL_RANK that names no visible GPU keeps device 0 if the process already
+   initialised CUDA there, and is otherwise an error that names LOCAL_RANK, the visible
+   count and CUDA_VISIBLE_DEVICES.
 """
 
 from __future__ import annotations
@@ -22,6 +34,30 @@ def local_rank() -> int:
 def local_world_size() -> int:
     """Processes on this node: torchrun's LOCAL_WORLD_SIZE (or MPI-style LOCAL_SIZE), else 1."""
     return int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1)
+
+
+class DeviceChoiceError(RuntimeError):
+    """LOCAL_RANK names a CUDA device this process cannot see."""
+
+
+def choose_cuda_device() -> int:
+    """The CUDA device index this process should compute on (the module docstring's rule)."""
+    visible = torch.cuda.device_count()
+    rank = local_rank()
+    chosen = torch.cuda.current_device() if torch.cuda.is_initialized() else None
+    if visible == 1:
+        return 0
+    if chosen not in (None, 0):
+        return chosen
+    if rank < visible:
+        return rank
+    if chosen == 0:
+        return 0
+    raise DeviceChoiceError(
+        f"LOCAL_RANK={rank} names CUDA device {rank}, but this process sees {visible} device(s) "
+        f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}); launch at most "
+        f"{visible} processes per node, make each process see its own GPU, or call "
+        f"torch.cuda.set_device(i) before zero3 to choose the device yourself")
 
 
 class Accelerator:

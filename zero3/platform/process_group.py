@@ -14,7 +14,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from zero3.platform.device import get_accelerator, local_rank
+from zero3.platform.device import choose_cuda_device, get_accelerator
 
 
 def init_distributed(dist_backend: str | None = None, timeout: datetime.timedelta | None = None,
@@ -29,8 +29,8 @@ def init_distributed(dist_backend: str | None = None, timeout: datetime.timedelt
         return
     accelerator = get_accelerator()
     backend = dist_backend or accelerator.communication_backend_name()
-    if accelerator.device_name() == "cuda" and "LOCAL_RANK" in os.environ:
-        accelerator.set_device(local_rank())  # the device by LOCAL_RANK, the shard by RANK
+    if accelerator.device_name() == "cuda":
+        accelerator.set_device(choose_cuda_device())  # the device by the rule of device.py, the shard by RANK
     if "RANK" not in os.environ and init_method is None and rank < 0:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29511")
