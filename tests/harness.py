@@ -7,7 +7,8 @@ rank's traceback; ranks that have not finished within `timeout` seconds are kill
 reported by number, so a hang becomes a test failure, never a stuck suite.
 
 `fn` must be defined at module level in an importable module (a test file is fine).
-Set ZERO3_TEST_BACKEND=nccl and ZERO3_TEST_DEVICE=cuda to run the same tests on GPUs.
+Set ZERO3_TEST_BACKEND=nccl (one GPU a rank) or gloo (ranks may share one GPU) and
+ZERO3_TEST_DEVICE=cuda to run device-agnostic tests (the Hugging Face Trainer ones) on GPUs.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def _child(fn: Callable, rank: int, world_size: int, port: int, args: tuple, res
 
         torch.set_num_threads(1)
         if DEVICE == "cuda":
-            torch.cuda.set_device(rank)
+            torch.cuda.set_device(rank % torch.cuda.device_count())  # ranks may share one GPU (gloo)
         dist.init_process_group(BACKEND, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=collective_timeout))
         value = fn(rank, world_size, *args)

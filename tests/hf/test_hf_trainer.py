@@ -24,11 +24,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from trl_setup import ENV, ROOT  # first: skips without the hf extra, puts examples/ on sys.path
+
+# isort: split
 import torch  # noqa: E402
 import trl_sft_lora as E  # noqa: E402  (on sys.path through trl_setup)
 from harness import free_port, run_ranks  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
-from trl_setup import ENV, ROOT
 
 STEPS, SAVE_AT = 6, 3
 MAX_NEW = 6

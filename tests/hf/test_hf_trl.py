@@ -29,9 +29,11 @@ import math
 from pathlib import Path
 
 import pytest
+from trl_setup import ENV  # first: skips without the hf extra, puts examples/ on sys.path
+
+# isort: split
 import trl_sft_lora as E  # noqa: E402  (on sys.path through trl_setup)
 from harness import run_ranks  # noqa: E402
-from trl_setup import ENV
 
 STEPS = 4
 GRPO_NEW = 8

@@ -66,6 +66,7 @@ class GatherWire:
         self.guard = guard
         self._param_index = param_index  # id(ShardedParam) -> position in the parameter table
         self.live_numel = 0
+        self.check_ins = 0  # header-only exchanges (check_in): counted so a step's collectives add up
         self.shard_fence = shard_fence
         self.side_stream = torch.cuda.Stream(compute_device) if compute_device.type == "cuda" else None
         self.shards_on_host = self.side_stream is not None and shards_on_host
@@ -126,6 +127,7 @@ class GatherWire:
     def check_in(self, unit_index: int) -> None:
         """A header-only exchange: units entered since the last gather (resident parameters
         only) must match on every rank too."""
+        self.check_ins += 1
         site = Site(Phase.CHECK, unit_index, -1, 0, 0)
         own = self.guard.header(site)
         predicted = self.guard.predict()
