@@ -316,11 +316,19 @@ def _common_state(optimizer: OptimizerAccess, scheduler: Any, counters: StepCoun
         **counters.state_dict(),
         "loss_scaler": loss_scaler.state_dict() if loss_scaler is not None else None,
         "param_groups": groups,
+        "param_group_members": _param_group_members(optimizer),
         "optim_extras": extras,
         "lr_scheduler": scheduler.state_dict() if has_state else None,
         "lr_scheduler_type": type(scheduler).__qualname__ if has_state else None,
         "client_state": client_state,
     }
+
+
+def _param_group_members(optimizer: OptimizerAccess) -> list[list[str]]:
+    """Each optimizer param group's parameter names, in the group's order (what a DeepSpeed
+    export needs to rebuild its sub-groups; checkpoint/deepspeed/exporter.py)."""
+    name_of = {id(master): sp.name for sp, master in optimizer.stepped()}
+    return [[name_of[id(m)] for m in g["params"] if id(m) in name_of] for g in optimizer.param_groups()]
 
 
 def _param_layout(table: dict[torch.nn.Parameter, ShardedParam], exclude_frozen: bool, kinds: dict) -> dict[str, Any]:
