@@ -5,6 +5,12 @@
 #
 #   bash scripts/make_deepspeed_fixtures.sh                 # every fixture
 #   VENV=/path/to/venv bash scripts/make_deepspeed_fixtures.sh seed_fp32_w2 mlp_fp16_w3
+#   ZERO3_PYTHON=/path/to/zero3/venv/bin/python bash scripts/make_deepspeed_fixtures.sh --check-export
+#
+# --check-export: `zero3 checkpoint export-deepspeed` of the committed zero3 checkpoint
+# tests/fixtures/deepspeed/export_llama_lora_bf16_w2/zero3 (run with zero3's Python), then
+# DeepSpeed loads the export on 2 gloo ranks and compares it with zero3's values
+# (check_export.py), writing export_llama_lora_bf16_w2/deepspeed_result.json.
 #
 # DS_BUILD_OPS=0: no C++/CUDA op is compiled at install time (on CPU, DeepSpeed builds its
 # shared-memory comm op with ninja the first time it runs, into ~/.cache/torch_extensions).
@@ -28,5 +34,14 @@ if ! "$VENV/bin/python" -c "import deepspeed, transformers, peft" 2>/dev/null; t
 fi
 
 cd "$ROOT"
+if [ "${1:-}" = "--check-export" ]; then
+    EXPORTED="$(mktemp -d)"
+    trap 'rm -rf "$EXPORTED"' EXIT
+    PYTHONPATH="$ROOT" "${ZERO3_PYTHON:-python3}" -m zero3.cli checkpoint export-deepspeed \
+        tests/fixtures/deepspeed/export_llama_lora_bf16_w2/zero3 "$EXPORTED" --world-size 2 --sub-group-size 40
+    DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 PYTHONWARNINGS=ignore HF_HUB_OFFLINE=1 \
+        "$VENV/bin/python" tests/fixtures/deepspeed/check_export.py "$EXPORTED"
+    exit $?
+fi
 DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 PYTHONWARNINGS=ignore HF_HUB_OFFLINE=1 \
     "$VENV/bin/python" tests/fixtures/deepspeed/generate.py "$@"

@@ -126,7 +126,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 # DeepSpeed import): these modules may import only each other and the shard layout rule.
 FORMAT_MODULES = ("zero3.checkpoint.errors", "zero3.checkpoint.paths", "zero3.checkpoint.manifest",
                   "zero3.checkpoint.files", "zero3.checkpoint.folder_swap", "zero3.checkpoint.format",
-                  "zero3.checkpoint.offline_export", "zero3.checkpoint.deepspeed")
+                  "zero3.checkpoint.offline_export", "zero3.checkpoint.tag_contents",
+                  "zero3.checkpoint.deepspeed")
 FORMAT_MAY_IMPORT = FORMAT_MODULES + ("zero3.params.shard_layout", "zero3.version", "zero3.checkpoint")
 
 

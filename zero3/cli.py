@@ -4,6 +4,7 @@
     zero3 checkpoint verify  DIR [--tag T | --all]
     zero3 checkpoint export  DIR OUT.safetensors [--tag T] [--dtype fp32|bf16|fp16]
     zero3 checkpoint import-deepspeed SRC DST [--tag T]
+    zero3 checkpoint export-deepspeed SRC DST --world-size N [--sub-group-size S] [--tag T]
     zero3 estimate (--params N [--trainable N] | --model-config config.json) --world-size W
                    [--config ds_config.json] [--dtype ...] [--offload-param] [--offload-optimizer]
                    [--persistence-threshold N] [--optimizer adamw|sgd|sgd-momentum] [--json]
@@ -12,7 +13,9 @@ DIR is a save_dir (holding tags and `latest`) or one tag folder. Without --tag, 
 and export take the checkpoint a tag-less `engine.load_checkpoint(DIR)` would load.
 Nothing here starts torch.distributed; everything is read from the files. `inspect`
 also recognizes a DeepSpeed ZeRO-3 checkpoint (checkpoint/deepspeed/layout.py) and says what it holds;
-`import-deepspeed` rewrites one as a zero3 checkpoint (checkpoint/deepspeed/importer.py).
+`import-deepspeed` rewrites one as a zero3 checkpoint (checkpoint/deepspeed/importer.py);
+`export-deepspeed` writes a zero3 checkpoint in DeepSpeed's ZeRO-3 layout for N ranks
+(checkpoint/deepspeed/exporter.py), which DeepSpeed's `load_checkpoint` resumes.
 
 Exit status: 0 when all is well, 1 when a problem was found (each printed with the file
 it concerns), 2 for a usage error.
@@ -31,6 +34,8 @@ from zero3.checkpoint import format as ckpt
 from zero3.checkpoint.deepspeed.layout import DeepSpeedCheckpoint, is_deepspeed_checkpoint
 from zero3.checkpoint.deepspeed.unpickle import DeepSpeedCheckpointError
 from zero3.checkpoint.paths import checked_tag
+
+DEEPSPEED_SUB_GROUP_SIZE = 1_000_000_000  # DeepSpeed 0.19's zero_optimization.sub_group_size default
 
 
 def _human(size: int) -> str:
@@ -162,6 +167,17 @@ def import_deepspeed(src: Path, dst: Path, tag: str | None) -> int:
     return 0
 
 
+def export_deepspeed(src: Path, dst: Path, world_size: int, sub_group_size: int, tag: str | None) -> int:
+    from zero3.checkpoint.deepspeed.exporter import export_deepspeed as run_export
+
+    summary = run_export(src, dst, world_size, sub_group_size, tag)
+    print(f"wrote {summary['folder']}: DeepSpeed ZeRO-3 layout for {summary['world_size']} ranks, "
+          f"{summary['sub_groups']} sub-groups, {len(summary['files'])} files, {_human(summary['bytes'])}, global "
+          f"step {summary['global_steps']}; {dst / ckpt.LATEST} -> {summary['tag']}. Load it with DeepSpeed on "
+          f"{summary['world_size']} ranks with zero_optimization.sub_group_size {sub_group_size}")
+    return 0
+
+
 # ---------------------------------------------------------------------- verify
 def verify(directory: Path, tag: str | None, every: bool) -> int:
     problems: list[str] = []
@@ -279,6 +295,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("dir", type=Path, help="the DeepSpeed save_dir (with latest) or tag folder")
     p.add_argument("dst", type=Path, help="the zero3 save_dir to write (its tag folder must not exist)")
     p.add_argument("--tag", help="the DeepSpeed tag to import (default: the one `latest` names)")
+    p = actions.add_parser("export-deepspeed", help="write a zero3 checkpoint in DeepSpeed's ZeRO-3 layout")
+    p.add_argument("dir", type=Path, help="the zero3 save_dir (with latest) or tag folder")
+    p.add_argument("dst", type=Path, help="the DeepSpeed save_dir to write (its tag folder must not exist)")
+    p.add_argument("--world-size", type=int, required=True, help="data-parallel ranks DeepSpeed will load it on")
+    p.add_argument("--sub-group-size", type=int, default=DEEPSPEED_SUB_GROUP_SIZE,
+                   help="the DeepSpeed run's zero_optimization.sub_group_size (default: DeepSpeed's, 1e9)")
+    p.add_argument("--tag", help="the zero3 tag to export (default: what a tag-less load would pick)")
     p = commands.add_parser("estimate", help="per-rank memory of a model for a world size and config")
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--params", type=int, help="a parameter count")
@@ -314,6 +337,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return verify(args.dir, args.tag, args.all)
         if args.action == "import-deepspeed":
             return import_deepspeed(args.dir, args.dst, args.tag)
+        if args.action == "export-deepspeed":
+            return export_deepspeed(args.dir, args.dst, args.world_size, args.sub_group_size, args.tag)
         return export(args.dir, args.out, args.tag, args.dtype)
     except (ckpt.CheckpointError, DeepSpeedCheckpointError) as exc:
         print(f"zero3: {exc}", file=sys.stderr)

@@ -3,6 +3,7 @@
 The format, read and written without an engine (what the command line uses):
 `errors.py`, `paths.py` (tags and `latest`), `manifest.py` (the manifest's schema),
 `files.py` (durable safetensors writes), `checkpoint/folder_swap.py` (a tag's folder replaced whole),
+`tag_contents.py` (what a tag's folder holds and what a save may replace),
 `format.py` (manifest reading, verification, the shard reader), `checkpoint/offline_export.py`
 (a consolidated state dict from shard files). `deepspeed/` reads DeepSpeed's ZeRO-3
 checkpoints and converts them.

@@ -37,10 +37,12 @@ master, optimizer state kinds), buffers, tied-parameter aliases; and a sha256 of
 that, so a damaged manifest is itself detected.
 
 Commit protocol (`save`):
-  1. rank 0 refuses a tag folder holding files zero3 did not write. The save writes into
-     the tag's folder, emptied first, unless that folder holds a committed checkpoint:
-     then into a hidden staging folder beside it (checkpoint/folder_swap.py), so the previous save
-     of the tag stays loadable until the new one replaces it whole;
+  1. rank 0 refuses a tag folder holding entries that are no checkpoint's files
+     (checkpoint/tag_contents.py says what a save may replace). The save writes into the
+     tag's folder, emptied first, unless that folder holds a checkpoint (zero3's committed
+     one, or DeepSpeed's of the same tag, e.g. after a rollback resume; one warning names
+     it): then into a hidden staging folder beside it (checkpoint/folder_swap.py), so the
+     previous checkpoint of the tag stays loadable until the new one replaces it whole;
   2. every rank writes its files under `<name>.tmp`, fsyncs, renames, fsyncs the folder;
   3. rank 0 writes the manifest the same way (temporary name, fsync, rename, fsync),
      and a staging folder then takes the tag's place (an atomic exchange where the file
@@ -112,7 +114,6 @@ from zero3.checkpoint.format import (
     LATEST,
     MANIFEST,
     MODEL_16BIT,
-    OWN_FILE,
     ShardReader,
     plain_value_problem,
     read_manifest,
@@ -124,6 +125,7 @@ from zero3.checkpoint.format import (
     verify_files,
 )
 from zero3.checkpoint.paths import checked_tag
+from zero3.checkpoint.tag_contents import refuse_unknown_entries, replacement_warning, tag_contents
 from zero3.engine_parts.counters import StepCounters
 from zero3.engine_parts.views import OptimizerAccess, ShardedModel
 from zero3.optim.loss_scaler import LossScaler
@@ -314,11 +316,19 @@ def _common_state(optimizer: OptimizerAccess, scheduler: Any, counters: StepCoun
         **counters.state_dict(),
         "loss_scaler": loss_scaler.state_dict() if loss_scaler is not None else None,
         "param_groups": groups,
+        "param_group_members": _param_group_members(optimizer),
         "optim_extras": extras,
         "lr_scheduler": scheduler.state_dict() if has_state else None,
         "lr_scheduler_type": type(scheduler).__qualname__ if has_state else None,
         "client_state": client_state,
     }
+
+
+def _param_group_members(optimizer: OptimizerAccess) -> list[list[str]]:
+    """Each optimizer param group's parameter names, in the group's order (what a DeepSpeed
+    export needs to rebuild its sub-groups; checkpoint/deepspeed/exporter.py)."""
+    name_of = {id(master): sp.name for sp, master in optimizer.stepped()}
+    return [[name_of[id(m)] for m in g["params"] if id(m) in name_of] for g in optimizer.param_groups()]
 
 
 def _param_layout(table: dict[torch.nn.Parameter, ShardedParam], exclude_frozen: bool, kinds: dict) -> dict[str, Any]:
@@ -344,11 +354,17 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def _folder_to_write(folder: Path) -> Path:
     """Rank 0: the empty folder this save writes into: `folder` itself, or, when `folder`
-    holds a committed checkpoint, its staging folder (put in its place at commit)."""
-    if not (folder / MANIFEST).is_file():
+    holds a checkpoint (zero3's committed one or DeepSpeed's, checkpoint/tag_contents.py),
+    its staging folder, put in its place at commit. Entries that are no checkpoint's files
+    are refused before anything changes."""
+    contents = tag_contents(folder)
+    refuse_unknown_entries(folder, contents)
+    if not contents.replaced_whole:
         _prepare_folder(folder)
         return folder
-    _refuse_foreign_entries(folder)
+    warning = replacement_warning(folder, contents)
+    if warning:
+        logger.warning(warning)
     staging = staging_folder(folder)
     shutil.rmtree(replaced_folder(folder), ignore_errors=True)  # left by a crash after an earlier swap
     shutil.rmtree(staging, ignore_errors=True)  # an earlier interrupted save over this tag
@@ -356,23 +372,15 @@ def _folder_to_write(folder: Path) -> Path:
     return staging
 
 
-def _refuse_foreign_entries(folder: Path) -> None:
-    foreign = sorted(p.name for p in folder.iterdir() if not (p.is_file() and OWN_FILE.match(p.name)))
-    if foreign:
-        raise CheckpointError(
-            f"checkpoint folder {folder} holds entries zero3 did not write: {foreign}; save under "
-            "another tag or move them away (nothing was changed)"
-        )
-
-
 def _prepare_folder(folder: Path) -> None:
-    """Rank 0: make `folder` an empty, incomplete tag; refuse files zero3 did not write."""
+    """Rank 0: make `folder` an empty, incomplete tag (it holds zero3's files at most)."""
     folder.mkdir(parents=True, exist_ok=True)
-    _refuse_foreign_entries(folder)
+    contents = tag_contents(folder)
+    refuse_unknown_entries(folder, contents)
     (folder / MANIFEST).unlink(missing_ok=True)  # the tag is incomplete from here on
     fsync_dir(folder)
-    for stale in folder.iterdir():
-        stale.unlink()
+    for stale in contents.own:
+        (folder / stale).unlink(missing_ok=True)
     fsync_dir(folder)
 
 
@@ -423,8 +431,8 @@ def save(state: TrainingState, save_dir, tag, client_state: dict, save_latest: b
     try:
         _write_and_commit(state, root, tag, write_to, client_state, save_latest, exclude_frozen, write_16bit_model)
     except CheckpointError:  # raised on every rank alike (on_every_rank), so all of them are here
-        if rank == 0 and write_to != folder and (folder / MANIFEST).is_file():
-            shutil.rmtree(write_to, ignore_errors=True)  # the tag still holds its previous save, whole
+        if rank == 0 and write_to != folder:
+            shutil.rmtree(write_to, ignore_errors=True)  # the tag still holds its previous checkpoint, whole
         comm.gather_objects(None)  # no rank returns before the staging folder is gone
         raise
     return True

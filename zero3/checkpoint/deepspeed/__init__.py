@@ -4,7 +4,10 @@
   anything else refused by name);
 - `layout.py`: the folder's layout, validated, and each parameter's fp32 master and
   optimizer state rebuilt from the flat partitions;
-- `importer.py`: conversion into a zero3 checkpoint (`zero3 checkpoint import-deepspeed`).
+- `importer.py`: conversion into a zero3 checkpoint (`zero3 checkpoint import-deepspeed`);
+- `exporter.py`: a zero3 checkpoint written in DeepSpeed's layout for N ranks
+  (`zero3 checkpoint export-deepspeed`), `pickling.py` writing DeepSpeed's three objects
+  by their class names without importing DeepSpeed.
 
 May import: the checkpoint format modules (errors, paths, manifest, files, format).
 Must not import the engine, its parts, the core's runtime modules, compat, hf or the
