@@ -121,7 +121,7 @@ class Engine(EngineSurface, nn.Module):
                                                        self.master_device, self.fetcher, self.reducer.usage,
                                                        background)
         self.lr_scheduler = build.resolve_scheduler(config, lr_scheduler, self.optimizer)
-        self.compiled_units = CompiledUnits(self.units)
+        self.compiled_units = CompiledUnits(self.units, lambda: self.fetcher.root_forwards)
         for request in compile_requests:
             self.compiled_units.apply(request)
         self._build_views()

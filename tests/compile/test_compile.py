@@ -119,9 +119,48 @@ def _refusals(rank: int) -> dict:
     return messages
 
 
+FEATURES = {
+    "accumulation": ({}, {"ga": 2}),
+    "checkpoint_reentrant": ({"checkpointing": "reentrant"}, {}),
+    "checkpoint_non_reentrant": ({"checkpointing": "non_reentrant"}, {}),
+    "bf16": ({}, {"bf16": {"enabled": True}}),
+    "offload": ({}, {"zero_optimization": {"offload_param": {"device": "cpu"},
+                                           "offload_optimizer": {"device": "cpu"}}}),
+}
+
+
+def _features(rank: int) -> dict:
+    """Each feature once, compiled (engine.compile) against the same run eager."""
+    out = {}
+    for name, (model_kwargs, config_extra) in FEATURES.items():
+        for mode in ("eager", "engine"):
+            _fresh_dynamo()
+            engine = build(mode, rank, model=make_model(**model_kwargs), **config_extra)
+            losses, counts = train(engine, rank, range(3))
+            out[(name, mode)] = {"losses": losses, "params": parameters(engine), "graphs": counts,
+                                 "breaks": graph_breaks(), "late_gathers": engine.late_gathers}
+            engine.destroy()
+    return out
+
+
+def _inductor(rank: int) -> dict:
+    """The default backend once: inductor's kernels against eager. With SGD: Adam's first steps
+    move each element by about lr whatever its gradient's size, so fused kernels' rounding of
+    a near-zero gradient would show as an lr-sized difference."""
+    out = {}
+    for mode in ("eager", "engine"):
+        _fresh_dynamo()
+        engine = build(mode, rank, backend="inductor", optimizer={"type": "SGD", "params": {"lr": 0.1}})
+        losses, counts = train(engine, rank, range(3))
+        out[mode] = {"losses": losses, "params": parameters(engine), "graphs": counts, "breaks": graph_breaks()}
+        engine.destroy()
+    return out
+
+
 def _checks(rank: int, world_size: int, folder: str) -> dict:
     return {"parity": _parity(rank), "train_eval": _train_eval(rank), "resume": _resume(rank, folder),
-            "foreign": _foreign_reads(rank), "refusals": _refusals(rank)}
+            "foreign": _foreign_reads(rank), "refusals": _refusals(rank), "features": _features(rank),
+            "inductor": _inductor(rank)}
 
 
 @pytest.fixture(scope="module")
@@ -191,3 +230,24 @@ def test_engine_compile_refusals(results):
     assert "compiled already" in messages["twice"]
     assert "DeepCompile" in messages["schedule"]
     assert "max-autotune-no-cudagraphs" in messages["cudagraphs"]
+
+
+@pytest.mark.parametrize("feature", list(FEATURES))
+def test_features_compiled_train_as_eager(results, feature):
+    for rank_results in results:
+        eager = rank_results["features"][(feature, "eager")]
+        compiled = rank_results["features"][(feature, "engine")]
+        tol = 1e-2 if feature == "bf16" else TOL  # bf16: fused kernels round differently
+        assert max(abs(a - b) for a, b in zip(compiled["losses"], eager["losses"])) <= tol
+        assert _close(compiled["params"], eager["params"]) <= tol
+        assert compiled["breaks"] == {}
+        assert 0 < compiled["graphs"][1] == compiled["graphs"][-1], compiled["graphs"]
+        assert compiled["late_gathers"] == eager["late_gathers"]
+
+
+def test_inductor_backend_trains_as_eager(results):
+    for rank_results in results:
+        eager, compiled = rank_results["inductor"]["eager"], rank_results["inductor"]["engine"]
+        assert max(abs(a - b) for a, b in zip(compiled["losses"], eager["losses"])) <= TOL
+        assert _close(compiled["params"], eager["params"]) <= TOL
+        assert compiled["breaks"] == {} and compiled["graphs"][-1] > 0

@@ -15,9 +15,11 @@ eager, with its children's compiled forwards inside it.
 
 Discovery: inside compiled code a parameter read is a plain dict read (the tracking dict
 steps aside while dynamo traces, `TrackedParameters.__getitem__`), so it registers nothing.
-Hence each compiled unit runs its first call eagerly, where discovery registers every
-parameter it reads outside its own module (the unit's pre-forward gathers those from then
-on); its later calls run compiled. A compiled call that meets a released parameter anyway
+Hence each compiled unit runs eagerly through the first root forward that calls it, where
+discovery registers every parameter it reads outside its own module (the unit's pre-forward
+gathers those from then on); it runs compiled from the next root forward on. A recomputation
+in backward (activation checkpointing) belongs to the root forward it recomputes, so it takes
+the same path and saves the same tensors. A compiled call that meets a released parameter anyway
 (a read that the first call did not make) is refused by the sealed parameter while dynamo
 traces; that unit then runs eagerly for good, with discovery, and a warning names it.
 
@@ -143,21 +145,25 @@ def compilable(units: list[FetchUnit]) -> list[FetchUnit]:
 
 
 class UnitForward:
-    """A unit module's forward: eager on the first call (discovery), compiled afterwards.
+    """A unit module's forward: eager through the first root forward that calls it
+    (discovery), compiled afterwards. `root_forwards()` counts the root forwards begun.
 
     Installed as the module's instance attribute `forward`, so `_call_impl` (and zero3's hooks
     in it) stays eager and calls this."""
 
-    def __init__(self, unit: FetchUnit, compiler: Compiler) -> None:
+    def __init__(self, unit: FetchUnit, compiler: Compiler, root_forwards: Callable[[], int]) -> None:
         self.unit = unit
         self.eager = type(unit.module).forward.__get__(unit.module)
         self.compiled = compiler(self.eager)
-        self.calls = 0
+        self.root_forwards = root_forwards
+        self.discovery_forward: int | None = None  # the root forward that ran it eagerly
         self.fell_back = False
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        self.calls += 1
-        if self.calls == 1 or self.fell_back:
+        current = self.root_forwards()
+        if self.discovery_forward is None:
+            self.discovery_forward = current
+        if current == self.discovery_forward or self.fell_back:
             return self.eager(*args, **kwargs)
         try:
             return self.compiled(*args, **kwargs)
@@ -184,8 +190,9 @@ def _released_cause(exc: BaseException) -> ReleasedParameterError | None:
 class CompiledUnits:
     """Which unit forwards run compiled, for one engine (see the module docstring)."""
 
-    def __init__(self, units: list[FetchUnit]) -> None:
+    def __init__(self, units: list[FetchUnit], root_forwards: Callable[[], int]) -> None:
         self.units = units
+        self.root_forwards = root_forwards
         self.forwards: dict[int, UnitForward] = {}
 
     @property
@@ -198,7 +205,7 @@ class CompiledUnits:
         count = 0
         for unit in compilable(self.units):
             if id(unit.module) in inside and id(unit) not in self.forwards:
-                forward = UnitForward(unit, request.compiler)
+                forward = UnitForward(unit, request.compiler, self.root_forwards)
                 unit.module.forward = forward
                 self.forwards[id(unit)] = forward
                 count += 1
