@@ -468,7 +468,7 @@ def run_peer(ctx, name, record_losses):
         t0 = time.perf_counter()
         peer = BUILDERS[name](ctx)
         rec["init_s"] = time.perf_counter() - t0
-        times, losses = [], []
+        times, losses, warmup_times = [], [], []
         seen0, own0 = None, None
         total = args.warmup + args.steps
         for i in range(total):
@@ -488,11 +488,11 @@ def run_peer(ctx, name, record_losses):
                 torch.cuda.synchronize()
             dt = time.perf_counter() - t
             COUNTER.enabled = False
-            if measured:
-                times.append(dt)
+            (times if measured else warmup_times).append(dt)
             if record_losses:
                 losses.append(float(loss.detach().float().item()))
         rec["times"] = times
+        rec["warmup_times"] = warmup_times
         rec["losses"] = losses
         rec["seen"] = _delta(COUNTER.snapshot(), seen0)
         rec["own"] = _delta(peer.comm_stats(), own0) if peer.comm_stats else None
@@ -589,7 +589,7 @@ def main(argv=None):
 
     rates = measure_device_rates() if args.device == "cuda" else None
     load0 = os.getloadavg()
-    results = {p: {"times": [], "round_medians": [], "init": [], "peak": [], "seen": [], "own": [],
+    results = {p: {"times": [], "round_medians": [], "init": [], "warmup": [], "peak": [], "seen": [], "own": [],
                    "losses": None, "error": None, "note": ""} for p in peers}
     for rnd in range(args.rounds):
         for p in peers:
@@ -615,6 +615,7 @@ def main(argv=None):
             res["times"].extend(step_times)
             res["round_medians"].append(statistics.median(step_times))
             res["init"].append(max(x["init_s"] for x in recs))
+            res["warmup"].append([max(x["warmup_times"][i] for x in recs) for i in range(len(recs[0]["warmup_times"]))])
             peaks = [x["peak"] for x in recs]
             res["peak"].append(None if any(v is None for v in peaks) else max(peaks))
             res["seen"].append(recs[0]["seen"])
@@ -631,6 +632,7 @@ def main(argv=None):
             report_device_use(ctx, results, n_params, rates)
     dist.barrier()
     dist.destroy_process_group()
+    return results, B * args.seq * ctx.world
 
 
 def measure_device_rates() -> dict[str, float]:

@@ -50,6 +50,7 @@ from zero3.engine_parts.timers import StepTimers, ThroughputTimer
 from zero3.engine_parts.views import OptimizerAccess, ShardedModel
 from zero3.optim.loss_scaler import LossScaler
 from zero3.optim.masters import settle
+from zero3.params.compiled import CompiledUnits, take_requests
 from zero3.params.late_params import LateParameters
 from zero3.params.partition import ParamState
 from zero3.params.units import build_units
@@ -91,6 +92,9 @@ class Engine(EngineSurface, nn.Module):
             LossScaler.from_precision(config.precision) if self.compute_dtype == torch.float16 else None
         )
         self._init_counters()
+        compile_requests = []
+        if isinstance(model, nn.Module):
+            model, compile_requests = take_requests(model)  # compiled per unit below, hooks eager
         if isinstance(model, nn.Module):  # before any other collective: ranks that disagree fail here
             check_ranks_agree(self.comm, self.device, {
                 **config_items(config), **optimizer_items(optimizer), **model_items(model)})
@@ -117,6 +121,9 @@ class Engine(EngineSurface, nn.Module):
                                                        self.master_device, self.fetcher, self.reducer.usage,
                                                        background)
         self.lr_scheduler = build.resolve_scheduler(config, lr_scheduler, self.optimizer)
+        self.compiled_units = CompiledUnits(self.units, lambda: self.fetcher.root_forwards)
+        for request in compile_requests:
+            self.compiled_units.apply(request)
         self._build_views()
         register(self.param_owner)
         self._destroyed = False
@@ -477,6 +484,7 @@ class Engine(EngineSurface, nn.Module):
         self.fetcher.release_all()
         self.fetcher.gather(self.table.values())
         self.fetcher.remove()
+        self.compiled_units.remove()
         self.reducer.remove()
         unregister(self.param_owner)
         diagnostics.restore_process_settings(self._gc_disabled_here)

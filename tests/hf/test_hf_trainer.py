@@ -309,7 +309,7 @@ def test_auto_values_filled_from_arguments(tmp_path):
 
 @pytest.mark.parametrize("option,value,message", [
     ("deepspeed", "ds_config.json", "pass the same DeepSpeed JSON"),
-    ("torch_compile", True, "torch_compile"),
+    ("torch_compile_mode", "reduce-overhead", "CUDA graphs"),
     ("fsdp", ["full_shard"], "fsdp"),
     ("fp16", True, "use bf16=True"),
     ("optim", "adafactor", "elementwise"),

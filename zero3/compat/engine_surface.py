@@ -19,6 +19,7 @@ from torch import nn
 
 from zero3.checkpoint.export import consolidate
 from zero3.compat import param_access
+from zero3.params.compiled import CompileError, CompileRequest, compiler_for
 from zero3.platform.device import get_accelerator
 
 
@@ -36,6 +37,30 @@ class EngineSurface:
         if module is None or name.startswith("__"):
             raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
         return getattr(module, name)
+
+    # ----------------------------------------------------------------- compile
+    def compile(self, backend: Any = None, compile_kwargs: dict | None = None, schedule: Any = None,
+                compiled_autograd_enabled: bool = False) -> None:
+        """DeepSpeed's `engine.compile()`: torch.compile each fetch unit's forward (a block
+        gathered whole, an embedding, a head) with `backend` and `compile_kwargs`; the
+        gathers, releases and access discovery stay eager at the units' boundaries
+        (params/compiled.py). Once per engine; `is_compiled` tells."""
+        self._check_alive()
+        if self.is_compiled:
+            raise CompileError("engine.compile(): this engine is compiled already (by engine.compile, or by a "
+                               "model compiled before zero3.initialize); compile it once")
+        if schedule is not None or compiled_autograd_enabled:
+            raise CompileError("engine.compile(): schedule= and compiled_autograd_enabled= belong to DeepSpeed's "
+                               "DeepCompile, which zero3 does not have; leave them unset (zero3 compiles each "
+                               "fetch unit's forward)")
+        backend = backend if backend is not None else self.accelerator.get_compile_backend()
+        compiler = compiler_for(backend, compile_kwargs, "engine.compile()")
+        self.compiled_units.apply(CompileRequest(self.module, compiler, "engine.compile()"))
+
+    @property
+    def is_compiled(self) -> bool:
+        """Whether the model's fetch units run compiled (engine.compile, or compiled before initialize)."""
+        return self.compiled_units.active
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
         """The model's `generate()` with every parameter gathered once (gathered_for_generation):

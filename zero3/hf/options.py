@@ -1,8 +1,9 @@
 """Trainer options zero3 cannot honour: refused by name before training starts.
 
 ZeRO-3 sharding is zero3's own, so every other sharding or parallel scheme (FSDP,
-DeepSpeed, tensor / context / sequence parallelism) is refused, as is `torch_compile`
-(compiled graphs would bypass the gather-on-use hooks) and fp16 (the Trainer backpropagates
+DeepSpeed, tensor / context / sequence parallelism) is refused, as are the `torch_compile_mode`s
+that capture CUDA graphs (`torch_compile` itself is honoured: the engine compiles each fetch
+unit's forward, zero3/params/compiled.py) and fp16 (the Trainer backpropagates
 the unscaled loss itself; bf16 needs no loss scale). `check_arguments` runs on the
 TrainingArguments, `check_model` on the model the Trainer was given,
 `check_reference_precompute` on both before a TRL trainer reads the model's values, and
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from zero3.params.compiled import CUDAGRAPH_MODES
 from zero3.params.released import is_released
 
 # TrainingArguments.optim values whose optimizer zero3 runs on flat shards (torch's own,
@@ -38,8 +40,10 @@ def check_arguments(args: Any, config: dict) -> None:
                 "same DeepSpeed JSON (path or dict) as zero3_config= to the trainer")
     if getattr(args, "fsdp", None):
         _refuse("fsdp", args.fsdp, "zero3 shards the model itself (ZeRO stage 3); remove the fsdp option")
-    if getattr(args, "torch_compile", False):
-        _refuse("torch_compile", True, "a compiled model bypasses zero3's gather-on-use hooks; set torch_compile=False")
+    if getattr(args, "torch_compile_mode", None) in CUDAGRAPH_MODES:
+        _refuse("torch_compile_mode", args.torch_compile_mode, "its CUDA graphs replay fixed parameter addresses, but "
+                "zero3 gathers each parameter into new storage on every use; use \"max-autotune-no-cudagraphs\" or "
+                "\"default\"")
     if getattr(args, "fp16", False) or getattr(args, "fp16_full_eval", False):
         _refuse("fp16", True, "the Trainer backpropagates the unscaled loss, which fp16 needs scaled; "
                 "use bf16=True (and \"bf16\": {\"enabled\": \"auto\"} in zero3_config)")

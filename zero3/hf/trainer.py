@@ -96,7 +96,7 @@ class Zero3TrainerMixin:
         if not training:
             config = config_fill.fill_for_inference(self.zero3_config, self.args, self.model)
             engine, _, _, _ = initialize(model=self.model, config=config)
-            return engine
+            return self._zero3_compiled(engine)
         config = config_fill.fill_from_model(self.zero3_config, self.args, self.model, max_steps)
         optimizer = scheduler_factory = None
         if "optimizer" not in config:
@@ -105,6 +105,15 @@ class Zero3TrainerMixin:
             scheduler_factory = functools.partial(self._zero3_trainer_scheduler, max_steps)
         engine, _, _, _ = initialize(model=self.model, optimizer=optimizer, lr_scheduler=scheduler_factory,
                                      config=config)
+        return self._zero3_compiled(engine)
+
+    def _zero3_compiled(self, engine: Engine) -> Engine:
+        """TrainingArguments.torch_compile (with its backend and mode): each fetch unit's
+        forward compiled by the engine, its gathers and releases eager around it."""
+        if self.args.torch_compile and not engine.is_compiled:
+            mode = self.args.torch_compile_mode
+            engine.compile(backend=self.args.torch_compile_backend or "inductor",
+                           compile_kwargs={"mode": mode} if mode is not None else {})
         return engine
 
     def _zero3_trainer_scheduler(self, max_steps: int, optimizer: Any) -> Any:

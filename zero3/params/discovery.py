@@ -42,8 +42,8 @@ class TrackedParameters(dict):
 
     def __getitem__(self, name: str) -> Any:
         value = super().__getitem__(name)
-        if value is not None:
-            self._on_access(value)
+        if value is not None and not torch.compiler.is_compiling():
+            self._on_access(value)  # not while dynamo traces: compiled.py keeps discovery eager
         return value
 
     def __setitem__(self, name: str, value: Any) -> None:

@@ -160,6 +160,7 @@ class Fetcher:
         self.loose: list[tuple[int, ShardedParam]] = []  # (graph task, parameter)
         self.escaped: list[ShardedParam] = []
         self.forward_depth = 0
+        self.root_forwards = 0  # root forwards begun (compiled.py: a unit's first one runs eagerly)
         self.discoveries = 0
         self.forward_order: list[str] = []
         self._saved_hooks: torch.autograd.graph.saved_tensors_hooks | None = None
@@ -451,6 +452,7 @@ class Fetcher:
 
     def _begin_root_forward(self) -> None:
         if self.forward_depth == 0:
+            self.root_forwards += 1
             self.forward_order = []
             if self.tracking:
                 self.guard.start_forward()

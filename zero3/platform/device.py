@@ -66,6 +66,7 @@ class Accelerator:
     def __init__(self, name: str) -> None:
         self._name = name
         self._index = 0
+        self._compile_backend = "inductor"
 
     # -- names
     def device_name(self, device_index: int | None = None) -> str:
@@ -78,6 +79,14 @@ class Accelerator:
 
     def is_available(self) -> bool:
         return self._name == "cpu" or torch.cuda.is_available()
+
+    # -- torch.compile
+    def get_compile_backend(self) -> str:
+        """The backend engine.compile() uses when given none (DeepSpeed's name)."""
+        return self._compile_backend
+
+    def set_compile_backend(self, backend: str) -> None:
+        self._compile_backend = backend
 
     # -- device selection
     def set_device(self, device_index: int) -> None:
