@@ -129,3 +129,109 @@ def _initialize_inside_init(rank: int, world: int) -> list[float]:
 def test_initialize_inside_zero_init():
     for losses in run_ranks(_initialize_inside_init, 2):
         assert losses[:2] == losses[2:]
+
+
+class _Tied(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(6, 6)
+        self.b = torch.nn.Linear(6, 6)
+        self.b.weight = self.a.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x))).square().mean()
+
+
+def _train(engine, rank: int, world: int, steps: int, seed: int = 1) -> None:
+    for x, y in make_batches(steps * world, MICRO, seed=seed)[rank::world]:
+        engine.backward(engine(x, y))
+        engine.step()
+
+
+def _gathered_contract(rank: int, world: int, folder: str) -> dict:
+    import zero3
+    from zero3.utils import safe_get_full_fp32_param
+    from zero3.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint, load_state_dict_from_zero_checkpoint
+
+    out: dict = {}
+    # NumPy views kept from inside the block, on a model built in zero.Init, then under the engine
+    with zero3.zero.Init():
+        model = make_model()
+    with zero3.GatheredParameters(list(model.parameters())):
+        arrays = [p.detach().cpu().numpy() for p in model.parameters()]
+        copies = [p.detach().clone() for p in model.parameters()]
+    out["numpy_init"] = all(torch.equal(torch.from_numpy(a.copy()), c) for a, c in zip(arrays, copies))
+    engine, _, _, _ = zero3.initialize(model=model, optimizer=torch.optim.AdamW(two_param_groups(model)),
+                                       config=config(MICRO, 1))
+    _train(engine, rank, world, 1)
+    with zero3.GatheredParameters(list(model.parameters())):
+        arrays = [p.detach().cpu().numpy() for p in model.parameters()]
+        copies = [p.detach().clone() for p in model.parameters()]
+    _train(engine, rank, world, 1, seed=2)
+    out["numpy_engine"] = all(torch.equal(torch.from_numpy(a.copy()), c)  # resident ones are updated in place
+                              for a, c, p in zip(arrays, copies, model.parameters()) if p.numel() > 30)
+    with zero3.GatheredParameters(list(model.parameters())):
+        out["moved_on"] = not all(torch.equal(p.detach(), c) for p, c in zip(model.parameters(), copies))
+    # an in-place write that leaves the values equal, on the last rank only
+    weight = model.embed.weight
+    with zero3.GatheredParameters([weight]):
+        before = weight.detach().clone()
+    try:
+        with zero3.GatheredParameters([weight, model.head.bias], modifier_rank=None):
+            if rank == world - 1:
+                with torch.no_grad():
+                    weight.add_(0.0)
+                    model.head.bias.add_(1.0)  # resident: undone too
+        out["in_place"] = None
+    except RuntimeError as exc:
+        out["in_place"] = str(exc)
+    with zero3.GatheredParameters([weight, model.head.bias]):
+        out["in_place_kept_values"] = torch.equal(weight.detach(), before)
+        out["bias"] = model.head.bias.detach().clone()
+    engine.destroy()
+    # load_state_dict_from_zero_checkpoint on the live model, one and two param groups
+    for groups in (1, 2):
+        model = make_model()
+        params = two_param_groups(model) if groups == 2 else [p for p in model.parameters() if p.requires_grad]
+        engine, _, _, _ = zero3.initialize(model=model, optimizer=torch.optim.AdamW(params), config=config(MICRO, 1))
+        _train(engine, rank, world, 2)
+        engine.save_checkpoint(f"{folder}/groups{groups}", tag="saved")
+        saved = get_fp32_state_dict_from_zero_checkpoint(f"{folder}/groups{groups}")
+        with torch.no_grad():  # the frozen block moves too, so loading it back is seen
+            with zero3.GatheredParameters(list(model.blocks[1].parameters()), modifier_rank=0):
+                for p in model.blocks[1].parameters():
+                    p.fill_(0.5)
+        _train(engine, rank, world, 2, seed=3)
+        with zero3.GatheredParameters(list(model.parameters()), modifier_rank=None):
+            load_state_dict_from_zero_checkpoint(engine.module, f"{folder}/groups{groups}")
+            inside = {n: torch.equal(p.detach(), saved[n]) for n, p in model.named_parameters()}
+        after = {n: torch.equal(safe_get_full_fp32_param(p), saved[n]) for n, p in model.named_parameters()
+                 if p.requires_grad}
+        with zero3.GatheredParameters(list(model.parameters())):
+            after.update({f"{n} (weights)": torch.equal(p.detach(), saved[n]) for n, p in model.named_parameters()})
+        out[f"live_load_{groups}"] = (inside, after)
+        engine.destroy()
+    # tied weights: one tensor object under both names
+    torch.manual_seed(0)
+    tied = _Tied()
+    engine, _, _, _ = zero3.initialize(model=tied, optimizer=torch.optim.AdamW(tied.parameters()),
+                                       config=config(MICRO, 1, threshold=0))
+    engine.backward(engine(torch.randn(MICRO, 6)))
+    engine.step()
+    engine.save_checkpoint(f"{folder}/tied", tag="t")
+    state = get_fp32_state_dict_from_zero_checkpoint(f"{folder}/tied")
+    out["tied"] = id(state["a.weight"]) == id(state["b.weight"])
+    return out
+
+
+def test_gathered_parameters_contract(tmp_path):
+    for rank, out in enumerate(run_ranks(_gathered_contract, 2, str(tmp_path))):
+        assert out["numpy_init"] and out["numpy_engine"] and out["moved_on"]
+        assert out["in_place"] is not None and "in-place modification" in out["in_place"], out["in_place"]
+        assert "rank 1" in out["in_place"] and "embed.weight" in out["in_place"]
+        assert out["in_place_kept_values"]
+        for groups in (1, 2):
+            inside, after = out[f"live_load_{groups}"]
+            assert all(inside.values()) and all(after.values()), (groups, inside, after)
+            assert any("blocks.1" in name for name in inside)  # frozen parameters included
+        assert out["tied"]
