@@ -235,3 +235,59 @@ def test_gathered_parameters_contract(tmp_path):
             assert all(inside.values()) and all(after.values()), (groups, inside, after)
             assert any("blocks.1" in name for name in inside)  # frozen parameters included
         assert out["tied"]
+
+
+class _WithExperts(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(6, 6) for _ in range(2))
+        self.router = torch.nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return sum(e(self.router(x)) for e in self.experts).square().mean()
+
+
+def _names_and_status(rank: int, world: int) -> dict:
+    import zero3
+    from zero3.runtime import config as ds_config
+    from zero3.runtime import lr_schedules
+    from zero3.runtime.zero.offload_config import OffloadDeviceEnum
+    from zero3.utils import safe_get_full_grad, safe_update_full_grad_vectorized, z3_leaf_module
+    from zero3.utils.torch import required_torch_version
+
+    out = {}
+    # names scripts import
+    model = make_model()
+    engine, optimizer, _, _ = zero3.initialize(model=model, optimizer=torch.optim.AdamW(two_param_groups(model)),
+                                               config=config(MICRO, 1))
+    schedule = lr_schedules.WarmupLR(optimizer, warmup_num_steps=4, warmup_max_lr=0.01)
+    out["names"] = (lr_schedules.WARMUP_LR, lr_schedules.ONE_CYCLE, lr_schedules.WARMUP_DECAY_LR,
+                    ds_config.ADAM_OPTIMIZER, ds_config.ADAMW_OPTIMIZER, OffloadDeviceEnum("cpu").value,
+                    required_torch_version(min_version=1.0), required_torch_version(max_version="1.0"),
+                    type(schedule).__name__, issubclass(ds_config.DeepSpeedConfigError, Exception))
+    # the vectorized gradient update: the whole gradient halved
+    x, y = make_batches(world, MICRO)[rank]
+    engine.backward(engine(x, y))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    before = [safe_get_full_grad(p) for p in trainable]
+    safe_update_full_grad_vectorized(list(model.parameters()), lambda grad, param: grad * 0.5)
+    out["halved"] = all(torch.equal(safe_get_full_grad(p), g * 0.5) for p, g in zip(trainable, before))
+    # ds_persist on every managed parameter
+    out["persist"] = [(p.numel(), p.ds_persist) for p in model.parameters()]
+    engine.destroy()
+    # leaf modules declared in the config
+    cfg = config(MICRO, 1)
+    cfg["zero_optimization"]["leaf_module"] = {"classes": ["ModuleList"], "name_suffixes": ["router"]}
+    experts = _WithExperts()
+    engine, _, _, _ = zero3.initialize(model=experts, optimizer=torch.optim.AdamW(experts.parameters()), config=cfg)
+    out["leaves"] = (z3_leaf_module(experts.experts), z3_leaf_module(experts.router), z3_leaf_module(experts))
+    return out
+
+
+def test_deepspeed_names_and_parameter_status():
+    for out in run_ranks(_names_and_status, 2):
+        assert out["names"] == ("WarmupLR", "OneCycle", "WarmupDecayLR", "adam", "adamw", "cpu", True, False,
+                                "WarmupLR", True)
+        assert out["halved"]
+        assert all(persist == (numel <= 30) for numel, persist in out["persist"]), out["persist"]
+        assert out["leaves"] == (True, True, False)

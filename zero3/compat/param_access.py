@@ -150,6 +150,20 @@ def set_local_grad(param: nn.Parameter, value: torch.Tensor) -> None:
     _set_grad_shard(owner, sp, value[: sp.local_valid_numel])
 
 
+def update_full_grad_vectorized(params: list[nn.Parameter], update_func: Any) -> None:
+    """DeepSpeed's `safe_update_full_grad_vectorized`: for each trainable parameter, its
+    whole fp32 gradient becomes `update_func(whole gradient, param)` (every rank must pass
+    the same parameters, in the same order, and the function must give every rank the same
+    value). A parameter with no gradient yet is skipped. Collective (one all-gather per
+    parameter)."""
+    for param in params:
+        if not param.requires_grad:
+            continue
+        full = get_full_grad(param)
+        if full is not None:
+            set_full_grad(param, update_func(full, param))
+
+
 def _set_grad_shard(owner: ParamOwner, sp: ShardedParam, piece: torch.Tensor) -> None:
     if not sp.requires_grad:
         raise ParamAccessError(f"{sp.name} is frozen (requires_grad=False): it has no gradient to set")
