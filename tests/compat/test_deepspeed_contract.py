@@ -291,3 +291,33 @@ def test_deepspeed_names_and_parameter_status():
         assert out["halved"]
         assert all(persist == (numel <= 30) for numel, persist in out["persist"]), out["persist"]
         assert out["leaves"] == (True, True, False)
+
+
+def _save_on_one_rank(rank: int, world: int, folder: str) -> float | None:
+    import datetime
+    import time
+
+
+    import zero3
+    from zero3.checkpoint.arrival import default_store
+
+    model = make_model()
+    engine, _, _, _ = zero3.initialize(model=model, optimizer=torch.optim.AdamW(two_param_groups(model)),
+                                       config=config(MICRO, 1))  # checkpoint.arrival_timeout: 60 s
+    store = default_store()
+    if rank == 1:
+        store.wait(["test/saver_done"], datetime.timedelta(seconds=150))
+        return None
+    start = time.monotonic()
+    try:
+        engine.save_checkpoint(folder)
+    except zero3.CheckpointError as exc:
+        assert "process group's timeout" in str(exc), str(exc)
+    finally:
+        store.set("test/saver_done", b"1")
+    return time.monotonic() - start
+
+
+def test_check_in_waits_no_longer_than_the_process_group(tmp_path):
+    waited = run_ranks(_save_on_one_rank, 2, str(tmp_path), collective_timeout=8.0)[0]
+    assert 7.0 <= waited < 30.0, waited  # the group's 8 s, not checkpoint.arrival_timeout's 60 s
