@@ -321,3 +321,49 @@ def _save_on_one_rank(rank: int, world: int, folder: str) -> float | None:
 def test_check_in_waits_no_longer_than_the_process_group(tmp_path):
     waited = run_ranks(_save_on_one_rank, 2, str(tmp_path), collective_timeout=8.0)[0]
     assert 7.0 <= waited < 30.0, waited  # the group's 8 s, not checkpoint.arrival_timeout's 60 s
+
+
+
+def _coalesced_bf16(rank: int, world: int) -> dict:
+    """One bf16 step after four backwards: reduced after each backward (bf16 communication,
+    fp32 accumulation), under one coalesced reduction, and after each backward with fp32
+    communication (the reference: no rounding after autograd's own)."""
+    import contextlib
+
+    import zero3
+    from zero3.utils import safe_get_full_fp32_param, safe_get_full_grad
+
+    chunks = make_batches(4 * world, MICRO, seed=7, inputs=64, outputs=64)
+    runs = {}
+    for run in ("uncoalesced", "coalesced", "reference"):
+        cfg = config(MICRO, 1, threshold=0, reduce_bucket_size=8192)
+        cfg["bf16"] = {"enabled": True}
+        if run == "reference":
+            cfg["communication_data_type"] = "fp32"
+        model = make_model(inputs=64, width=64, depth=4, outputs=64, freeze_block=None)
+        engine, _, _, _ = zero3.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
+                                           config=cfg)
+        with engine.coalesce_grad_reduction() if run == "coalesced" else contextlib.nullcontext():
+            for i in range(4):
+                x, y = chunks[i * world + rank]
+                engine.set_gradient_accumulation_boundary(i == 3)
+                engine.backward(engine(x.bfloat16(), y.bfloat16()))
+        grads = {n: safe_get_full_grad(p) for n, p in model.named_parameters()}
+        engine.step()
+        runs[run] = (grads, {n: safe_get_full_fp32_param(p) for n, p in model.named_parameters()})
+        engine.destroy()
+
+    def largest(a: str, b: str, which: int) -> float:
+        return max((runs[a][which][n] - runs[b][which][n]).abs().max().item() for n in runs[a][which])
+
+    return {f"{a} vs {b} ({kind})": largest(a, b, which) for a, b in
+            (("coalesced", "uncoalesced"), ("coalesced", "reference"), ("uncoalesced", "reference"))
+            for which, kind in ((0, "gradients"), (1, "fp32 weights after one step"))}
+
+
+def test_coalesced_reduction_keeps_bf16_precision():
+    for out in run_ranks(_coalesced_bf16, 2):
+        print("largest differences:", out)
+        assert out["coalesced vs reference (gradients)"] < 5e-6, out  # summed in fp32, as grad_shard is
+        assert out["coalesced vs reference (fp32 weights after one step)"] < 5e-6, out
+        assert out["uncoalesced vs reference (gradients)"] < 1e-2, out  # bf16 communication's rounding only
