@@ -9,7 +9,7 @@ from __future__ import annotations
 from zero3 import comm, ops, runtime, utils, zero
 from zero3.api import initialize
 from zero3.checkpoint.errors import CheckpointError
-from zero3.config import ConfigError
+from zero3.config import ConfigError, DeepSpeedConfigError
 from zero3.engine import Engine, EngineError
 from zero3.engine_parts.gathered import GatheredParameters, register_external_parameter
 from zero3.engine_parts.generation import gathered_for_generation
@@ -28,7 +28,7 @@ from zero3.zero import Init
 DeepSpeedEngine = Engine
 
 __all__ = [
-    "CheckpointError", "ConfigError", "add_config_arguments", "comm", "ops", "runtime", "utils", "DivergenceError", "DeepSpeedEngine", "Engine", "EngineError",
+    "CheckpointError", "ConfigError", "DeepSpeedConfigError", "add_config_arguments", "comm", "ops", "runtime", "utils", "DivergenceError", "DeepSpeedEngine", "Engine", "EngineError",
     "GatheredParameters", "Init", "estimate_memory", "gathered_for_generation", "init_distributed", "initialize",
     "register_external_parameter", "set_z3_leaf_modules", "set_z3_leaf_modules_by_name",
     "set_z3_leaf_modules_by_suffix", "unset_z3_leaf_modules", "zero",

@@ -9,8 +9,14 @@ import torch.distributed as dist
 
 from zero3.config import ConfigError, Zero3Config, from_deepspeed
 from zero3.engine import Engine
+from zero3.params.init import Init
 from zero3.platform.device import choose_cuda_device, get_accelerator
 from zero3.platform.process_group import init_distributed, register_exit_teardown
+
+
+class InitializeArgumentError(ValueError, AssertionError):
+    """A missing or unsupported initialize argument (an AssertionError too, as DeepSpeed's
+    `assert model is not None` and config checks raise)."""
 
 
 def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer: Any = None,
@@ -19,14 +25,14 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
                collate_fn: Any = None, config: Any = None, config_params: Any = None, **_: Any):
     """Wrap `model` in a ZeRO-3 engine: returns (engine, optimizer, dataloader, lr_scheduler)."""
     if model is None:
-        raise ValueError("zero3.initialize needs model=")
+        raise InitializeArgumentError("zero3.initialize needs model=")
     if mpu is not None:
         raise ValueError("zero3.initialize: mpu (model parallelism) is not supported; pass mpu=None")
     config = config if config is not None else config_params
     if config is None and args is not None:
         config = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
     if config is None:
-        raise ValueError("zero3.initialize needs config= (a DeepSpeed config dict or a path to its JSON)")
+        raise InitializeArgumentError("zero3.initialize needs config= (a DeepSpeed config dict or a path to its JSON)")
     if not dist.is_initialized() and dist_init_required is not False:
         init_distributed()
     if dist.is_initialized():
@@ -36,8 +42,9 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     if accelerator.device_name() == "cuda":
         accelerator.set_device(choose_cuda_device())  # the device by the rule of device.py, the shard by RANK
     parsed = _parse_on_every_rank(config, world_size)
-    engine = Engine(model, parsed, optimizer=optimizer, model_parameters=model_parameters,
-                    lr_scheduler=lr_scheduler)
+    with Init.paused():  # called inside zero3.Init: the model built there is adopted
+        engine = Engine(model, parsed, optimizer=optimizer, model_parameters=model_parameters,
+                        lr_scheduler=lr_scheduler)
     dataloader = None
     if training_data is not None:
         dataloader = _dataloader(training_data, parsed.train_micro_batch_size_per_gpu, collate_fn,

@@ -60,8 +60,14 @@ __all__ = [
 ]
 
 
-class ConfigError(ValueError):
-    """A config key zero3 cannot accept. The message names the key, the value seen and the fix."""
+class DeepSpeedConfigError(Exception):
+    """DeepSpeed's name for an invalid config (deepspeed.runtime.config.DeepSpeedConfigError)."""
+
+
+class ConfigError(ValueError, DeepSpeedConfigError):
+    """A config key zero3 cannot accept. The message names the key, the value seen and the fix.
+    Also a ValueError (what DeepSpeed's pydantic sections raise) and a DeepSpeedConfigError
+    (what its hand-read keys raise), so a script's `except` clause for either catches it."""
 
 
 # --------------------------------------------------------------------------------------

@@ -42,7 +42,7 @@ from zero3.compat.engine_surface import EngineSurface
 from zero3.compat.param_status import mark_managed
 from zero3.config import Zero3Config
 from zero3.engine_parts import build, diagnostics, generation
-from zero3.engine_parts.build import EngineError
+from zero3.engine_parts.build import EngineError, EngineUsageError
 from zero3.engine_parts.counters import StepCounters
 from zero3.engine_parts.owner import ParamOwner, register, unregister
 from zero3.engine_parts.rank_agreement import check_ranks_agree, config_items, model_items, optimizer_items
@@ -174,14 +174,20 @@ class Engine(EngineSurface, nn.Module):
         return output
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
-        """Backpropagate `loss` (divided by the accumulation steps, as DeepSpeed does)."""
+        """Backpropagate `loss` (divided by the accumulation steps, as DeepSpeed does).
+
+        Returns what DeepSpeed's returns: the loss divided by gradient_accumulation_steps
+        (when `scale_wrt_gas`), without the fp16 loss scale."""
         self._check_alive()
         if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
-            raise EngineError(
-                f"engine.backward(loss) needs a tensor that requires grad, got {type(loss).__name__}"
+            raise EngineUsageError(
+                f"engine.backward(loss) needs a scalar tensor that requires grad, got {type(loss).__name__}"
                 + (" without grad" if isinstance(loss, torch.Tensor) else "")
                 + "; did the forward run under torch.no_grad() or eval-only code?"
             )
+        if loss.numel() != 1:
+            raise EngineUsageError(f"engine.backward(loss) needs a scalar tensor, got shape {tuple(loss.shape)}; "
+                                   "reduce the loss (e.g. .mean()) or call backward(grad) on the output yourself")
         self._settle()  # this backward's gradients overwrite what an update in flight reads
         scaled = loss
         steps = self.config.gradient_accumulation_steps
@@ -200,7 +206,7 @@ class Engine(EngineSurface, nn.Module):
         finally:
             self._in_engine_backward = False
             self.reducer.backward_divisor = float(steps)
-        return loss
+        return loss / steps if scale_wrt_gas else loss
 
     @contextlib.contextmanager
     def loss_divided_by_caller(self) -> Iterator[None]:
@@ -224,11 +230,11 @@ class Engine(EngineSurface, nn.Module):
         first, and a backward that skips it is refused before any gradient is kept.
         """
         if self.optimizer is None:
-            raise EngineError("engine.scale(loss) needs an optimizer: pass optimizer= to zero3.initialize "
-                              "or add an 'optimizer' config section")
+            raise EngineUsageError("engine.scale(loss) needs an optimizer: pass optimizer= to zero3.initialize "
+                                   "or add an 'optimizer' config section")
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or loss.grad_fn is None:
-            raise EngineError(f"engine.scale(loss) needs a scalar tensor with a grad_fn, got "
-                              f"{type(loss).__name__}{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}")
+            raise EngineUsageError(f"engine.scale(loss) needs a scalar tensor with a grad_fn, got "
+                                   f"{type(loss).__name__}{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}")
         self._loss_scaled_by_client = True
         return loss * self.loss_scaler.scale if self.loss_scaler is not None else loss
 

@@ -237,18 +237,12 @@ def config_sections_run(rank: int, world: int):
         shadow.step()
         lrs.append(engine.get_lr()[0])
         expected.append(shadow.get_last_lr()[0])
-    both = None
-    try:
-        zero3.initialize(model=make_model(), optimizer=torch.optim.SGD(make_model().parameters(), lr=0.1), config=cfg)
-    except zero3.EngineError as exc:
-        both = str(exc)
-    return lrs, expected, both
+    return lrs, expected
 
 
 def test_config_optimizer_and_scheduler_sections():
-    for lrs, expected, both in run_ranks(config_sections_run, 2):
+    for lrs, expected in run_ranks(config_sections_run, 2):
         assert lrs == expected
-        assert both is not None and "remove one of them" in both
 
 
 class Elementless(torch.optim.Optimizer):

@@ -85,7 +85,7 @@ def test_11_gathered_parameters_read_and_misuse(world):
     initial = [plain.mid.weight.detach(), plain.head.bias.detach()]
     results = run_ranks(gathered_misuse_worker, world)
     for rank, (message, read, after, resident, loss, state, masters, compute, finite) in enumerate(results):
-        assert "modified inside GatheredParameters(modifier_rank=None)" in message, message
+        assert "in-place modification of parameters inside GatheredParameters(modifier_rank=None)" in message, message
         assert "modifier_rank" in message and "mid.weight" in message, message
         for got, ref in zip(read + after, initial + initial):
             assert torch.equal(got, ref)  # full values on every rank; the refused change undone

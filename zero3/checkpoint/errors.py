@@ -21,3 +21,8 @@ class CheckpointArrivalError(CheckpointError):
 
 class CheckpointWriteError(CheckpointError):
     """Writing a checkpoint file failed (a full disk, a read-only folder); names the file."""
+
+
+class CheckpointTagMismatchError(CheckpointError, AssertionError):
+    """Ranks passed different tags under checkpoint.tag_validation "Fail" (an AssertionError,
+    as DeepSpeed's tag check raises)."""

@@ -104,7 +104,7 @@ import numpy as np
 import torch
 
 from zero3.checkpoint.deepspeed.layout import DeepSpeedCheckpoint, deepspeed_tag_folder
-from zero3.checkpoint.errors import CheckpointError
+from zero3.checkpoint.errors import CheckpointError, CheckpointTagMismatchError
 from zero3.checkpoint.export import on_every_rank, parameter_aliases, persistent_buffers, write_consolidated
 from zero3.checkpoint.files import TensorSpec, fsync_dir, removed_on_failure, write_safetensors
 from zero3.checkpoint.folder_swap import put_in_place, replaced_folder, staging_folder
@@ -531,7 +531,7 @@ def _agree_on_tag(comm: Communicator, tag: str, mode: str) -> str:
         return tag
     by_rank = ", ".join(f"rank {r}: {t!r}" for r, t in enumerate(tags))
     if mode == "FAIL":
-        raise CheckpointError(
+        raise CheckpointTagMismatchError(
             f"ranks passed different checkpoint tags ({by_rank}) and checkpoint.tag_validation is \"Fail\"; "
             "pass the same tag on every rank (a tag with rank-specific text cannot be loaded back)")
     if mode == "WARN" and comm.rank == 0:

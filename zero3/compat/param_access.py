@@ -150,6 +150,20 @@ def set_local_grad(param: nn.Parameter, value: torch.Tensor) -> None:
     _set_grad_shard(owner, sp, value[: sp.local_valid_numel])
 
 
+def update_full_grad_vectorized(params: list[nn.Parameter], update_func: Any) -> None:
+    """DeepSpeed's `safe_update_full_grad_vectorized`: for each trainable parameter, its
+    whole fp32 gradient becomes `update_func(whole gradient, param)` (every rank must pass
+    the same parameters, in the same order, and the function must give every rank the same
+    value). A parameter with no gradient yet is skipped. Collective (one all-gather per
+    parameter)."""
+    for param in params:
+        if not param.requires_grad:
+            continue
+        full = get_full_grad(param)
+        if full is not None:
+            set_full_grad(param, update_func(full, param))
+
+
 def _set_grad_shard(owner: ParamOwner, sp: ShardedParam, piece: torch.Tensor) -> None:
     if not sp.requires_grad:
         raise ParamAccessError(f"{sp.name} is frozen (requires_grad=False): it has no gradient to set")
@@ -260,3 +274,33 @@ def load_full_state_dict(model: ShardedModel, optimizer: OptimizerAccess, state_
             _write_local(master, sp, piece.float())
         _write_weights(sp, piece, value)
     return missing, unexpected
+
+
+def load_into_live_params(module: nn.Module, state_dict: dict[str, torch.Tensor]) -> list[str]:
+    """Whole values by `module`'s state-dict names into its parameters and buffers, where
+    some are managed by a live engine: a managed parameter's fp32 master (trainable ones),
+    its compute-dtype shard and, where it is gathered now (inside GatheredParameters, or
+    resident), its full values, written through `.data` (no in-place write as
+    GatheredParameters(modifier_rank=None) counts one), so they stay after the block; other
+    tensors are copied into. No collective: every rank must pass the same values. Names
+    absent from `state_dict` are left as they are. Returns the names not found."""
+    entries = state_dict_entries(module)
+    missing = []
+    for name, kind, tensor in entries:
+        if name not in state_dict:
+            missing.append(name)
+            continue
+        value = _as_shape(state_dict[name], tensor.shape, f"load_state_dict_from_zero_checkpoint[{name!r}]")
+        owner = owner_of(tensor) if kind != "buffer" else None
+        if owner is None:
+            with torch.no_grad():
+                tensor.data.copy_(value.to(tensor.device, tensor.dtype))
+            continue
+        owner.optimizer.settle()
+        sp = owner.model.table[tensor]
+        piece = _slice_of(sp, value)
+        master = owner.optimizer.master_of(sp)
+        if master is not None:
+            _write_local(master, sp, piece.float())
+        _write_weights(sp, piece, value)
+    return missing

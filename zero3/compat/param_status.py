@@ -4,7 +4,7 @@ Libraries written for DeepSpeed read `param.ds_status` (TRL checks it before gat
 weight it uses directly, on every SFT forward) and `ZeroParamStatus` from
 `deepspeed.runtime.zero.partition_parameters`. zero3 keeps a parameter's state in its
 own `ShardedParam` (partition.py); the engine gives each plain `nn.Parameter` it manages
-the class `ZeroParameter`, whose `ds_status`, `ds_shape` and `ds_numel` are properties
+the class `ZeroParameter`, whose `ds_status`, `ds_shape`, `ds_numel` and `ds_persist` are properties
 computed from that state: nothing is stored on the parameter, and nothing can be set.
 The parameter's identity, data and autograd behaviour are unchanged; `isinstance(p,
 nn.Parameter)` stays true. Parameters of other Parameter subclasses keep their class.
@@ -52,6 +52,12 @@ class ZeroParameter(nn.Parameter):
     @property
     def ds_numel(self) -> int:
         return self.numel()
+
+    @property
+    def ds_persist(self) -> bool:
+        """Whether the parameter stays whole between steps (resident, DeepSpeed's persistent)."""
+        owner = owner_of(self)
+        return owner is None or owner.model.table[self].persistent
 
 
 def mark_managed(param: nn.Parameter) -> None:

@@ -13,6 +13,7 @@ Each function is collective where it says so (every rank calls it, in this order
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -41,6 +42,8 @@ from zero3.params.units import choose_persistent
 from zero3.params.wire import gather_rows, group_by_dtype
 from zero3.platform.collectives import Communicator
 
+logger = logging.getLogger("zero3")
+
 ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = (
     torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, torch.optim.Adamax,
     torch.optim.RMSprop, torch.optim.NAdam, torch.optim.RAdam, torch.optim.Rprop, torch.optim.ASGD,
@@ -49,6 +52,11 @@ ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = (
 
 class EngineError(RuntimeError):
     """The engine cannot do what was asked (the message says why and what to do)."""
+
+
+class EngineUsageError(EngineError, AssertionError):
+    """A call DeepSpeed refuses with an `assert` (a non-scalar loss, backward or scale without
+    an optimizer): also an AssertionError, so DeepSpeed code that catches one still does."""
 
 
 # ------------------------------------------------------------------ the model
@@ -169,10 +177,8 @@ def resolve_optimizer(config: Zero3Config, optimizer: Any, model_parameters: Ite
     config's; None when there is neither."""
     spec = config.optimizer
     if optimizer is not None and spec is not None:
-        raise EngineError(
-            "both a client optimizer and the config's 'optimizer' section were given; "
-            "remove one of them (DeepSpeed refuses this too)"
-        )
+        _warn_section_ignored("optimizer", f"optimizer of type {spec.type!r}", "optimizer")
+        spec = None
     params = list(model_parameters) if model_parameters is not None else None
     if params is None:
         params = [p for p in module.parameters() if p.requires_grad]
@@ -180,6 +186,17 @@ def resolve_optimizer(config: Zero3Config, optimizer: Any, model_parameters: Ite
     if optimizer is not None:
         check_optimizer_is_elementwise(config, optimizer)
     return optimizer
+
+
+def _warn_section_ignored(section: str, what: str, argument: str) -> None:
+    """DeepSpeed's rule: the client's object wins over the config's section, which is ignored."""
+    if _is_rank_zero():
+        logger.warning("zero3: the config's %r section (%s) is ignored: the %s passed to initialize is used, "
+                       "as DeepSpeed does", section, what, argument)
+
+
+def _is_rank_zero() -> bool:
+    return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
 
 
 def _is_optimizer_factory(value: Any) -> bool:
@@ -264,10 +281,8 @@ def resolve_scheduler(config: Zero3Config, lr_scheduler: Any, optimizer: Sharded
     config's; None when there is neither."""
     spec = config.scheduler
     if lr_scheduler is not None and spec is not None:
-        raise EngineError(
-            "both a client lr_scheduler and the config's 'scheduler' section were given; "
-            "remove one of them"
-        )
+        _warn_section_ignored("scheduler", f"scheduler of type {spec.type!r}", "lr_scheduler")
+        spec = None
 
     def client_optimizer(from_config: bool) -> torch.optim.Optimizer:
         if optimizer is None:

@@ -5,9 +5,11 @@ with the same parameters. Inside, each parameter is FULL on every rank. On exit:
 - `modifier_rank=r`: rank r's full values are broadcast and become everyone's values,
   shards and fp32 masters, so a modification made on rank r takes effect everywhere and
   in the training that follows;
-- `modifier_rank=None`: the values must be unchanged; a change made on any rank, to any
-  element, is undone and raises on every rank, because it would otherwise be silently
-  lost (or, for a resident parameter, kept on one rank only).
+- `modifier_rank=None`: the parameters must not be written; as DeepSpeed does, any
+  in-place write on any rank (a change of the version counter or data pointer, even
+  `add_(0.0)`, params/write_marks.py) is an error raised on every rank, after the
+  parameters are partitioned again with their values from before the block (a write would
+  otherwise be silently lost, or, for a resident parameter, kept on one rank only).
 The engine that manages a parameter is found through engine_parts/owner.py; of it, the context
 reads the table and process group, gathers and drops through its fetcher, and writes
 the fp32 masters through its optimizer view. Parameters partitioned by `zero3.Init` and
@@ -16,9 +18,9 @@ whose storage is released but that neither an engine nor zero3.Init manages (its
 engine was destroyed) is refused with `ReleasedParameterError`; other parameters pass
 through untouched.
 
-Memory: with `modifier_rank=None` a copy of the gathered values is kept (on their
-device) for the duration of the context, so that a change is detected exactly, bit for
-bit; it is freed on exit.
+Memory: with `modifier_rank=None` a copy of the values of the parameters that stay
+gathered after the block (resident ones, or held by an enclosing context) is kept on their
+device for the duration of the context, to undo a write to them; it is freed on exit.
 """
 
 from __future__ import annotations
@@ -30,14 +32,16 @@ from zero3.engine_parts.owner import ParamOwner, owner_of
 from zero3.engine_parts.views import OptimizerAccess
 from zero3.params.fetch import Fetcher
 from zero3.params.init import Init, init_shard_of
-from zero3.params.init_gather import InitGather, same_bits
+from zero3.params.init_gather import InitGather
 from zero3.params.partition import ParamState, ShardedParam
 from zero3.params.released import refuse_released
+from zero3.params.write_marks import WriteMark, mark, written_since
 from zero3.platform.collectives import Communicator
 
 
 class GatheredParametersError(RuntimeError):
-    """A GatheredParameters context was misused."""
+    """A GatheredParameters context was misused (a RuntimeError, as DeepSpeed raises for an
+    in-place modification under modifier_rank=None)."""
 
 
 def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
@@ -61,7 +65,8 @@ class GatheredParameters:
         self.enabled = enabled
         self._groups: list[tuple[ParamOwner, list[ShardedParam]]] = []  # per managing engine
         self._init_gather: InitGather | None = None
-        self._snapshots: dict[int, torch.Tensor] = {}  # id(sp) -> full values on entry
+        self._snapshots: dict[int, torch.Tensor] = {}  # id(sp) -> values on entry, of those that stay gathered
+        self._marks: dict[int, WriteMark] = {}  # id(sp) -> write mark on entry
 
     def __enter__(self) -> "GatheredParameters":
         if not self.enabled:
@@ -91,12 +96,14 @@ class GatheredParameters:
                     f"modifier_rank={self.modifier_rank} is not a rank of this world of "
                     f"{world}; use 0..{world - 1} or None"
                 )
+            stay_gathered = [sp for sp in sps if sp.persistent or sp.holds > 0]
             owner.fetcher.acquire(sps)
             for sp in sps:
                 refuse_released(sp.param, "GatheredParameters", sp.name, fix="something outside zero3 freed or "
                                 "replaced its storage; leave a managed parameter's storage and `.data` to zero3")
             if self.modifier_rank is None:
-                self._snapshots.update((id(sp), sp.param.detach().clone()) for sp in sps)
+                self._snapshots.update((id(sp), sp.param.detach().clone()) for sp in stay_gathered)
+                self._marks.update((id(sp), mark(sp.param)) for sp in sps)
         return self
 
     def _enter_init_params(self, params: list[torch.Tensor]) -> None:
@@ -124,6 +131,7 @@ class GatheredParameters:
             self._exit_init_params(raise_error=exc_type is None)
         finally:
             self._snapshots.clear()
+            self._marks.clear()
             self._groups = []
             self._init_gather = None
 
@@ -132,30 +140,32 @@ class GatheredParameters:
             return
         changed_by_rank = self._init_gather.exit(raise_on_change=raise_error)
         if any(changed_by_rank):
-            where = "; ".join(f"rank {r}: {', '.join(names)}" for r, names in enumerate(changed_by_rank) if names)
-            raise GatheredParametersError(
-                f"parameters built by zero3.Init were modified inside GatheredParameters(modifier_rank=None) "
-                f"({where}); the change was undone, since it would be lost on release. Pass "
-                "modifier_rank=<the rank whose values should be kept> (e.g. 0) to keep it"
-            )
+            raise _in_place_error("parameters built by zero3.Init", changed_by_rank)
 
     def _refuse_changes(self, comm: Communicator, fetcher: Fetcher, sps: list[ShardedParam],
                         raise_error: bool) -> None:
-        """Undo any change made to `sps` inside the context (and drop their holds in
-        `fetcher`); with `raise_error`, raise on every rank if any rank changed one."""
-        changed = [sp for sp in sps if not same_bits(sp.param.detach(), self._snapshots[id(sp)])]
+        """Drop the holds of `sps` in `fetcher`, undoing any in-place write made to them inside
+        the context (a released parameter is gathered from its unchanged shard next time; one
+        that stays gathered gets its values from entry back); with `raise_error`, raise on
+        every rank if any rank wrote one."""
+        changed = [sp for sp in sps if written_since(sp.param, self._marks[id(sp)])]
         changed_by_rank = comm.gather_objects([sp.name for sp in changed])
         with torch.no_grad():
             for sp in changed:  # undo (through .data: no autograd version bump)
-                sp.param.data.copy_(self._snapshots[id(sp)])
+                if id(sp) in self._snapshots:
+                    sp.param.data.copy_(self._snapshots[id(sp)])
         fetcher.drop(sps)
         if any(changed_by_rank) and raise_error:
-            where = "; ".join(f"rank {r}: {', '.join(names)}" for r, names in enumerate(changed_by_rank) if names)
-            raise GatheredParametersError(
-                f"parameters were modified inside GatheredParameters(modifier_rank=None) ({where}); "
-                "the change was undone, since it would be lost on release. Pass modifier_rank=<the "
-                "rank whose values should be kept> (e.g. 0) to keep it"
-            )
+            raise _in_place_error("parameters", changed_by_rank)
+
+
+def _in_place_error(what: str, changed_by_rank: list[list[str]]) -> GatheredParametersError:
+    where = "; ".join(f"rank {r}: {', '.join(names)}" for r, names in enumerate(changed_by_rank) if names)
+    return GatheredParametersError(
+        f"in-place modification of {what} inside GatheredParameters(modifier_rank=None) ({where}); the "
+        "parameters were partitioned again with their values from before the block, since the write would be "
+        "lost on release. Pass modifier_rank=<the rank whose values should be kept> (e.g. 0) to keep it"
+    )
 
 
 def _adopt_values_of(comm: Communicator, optimizer: OptimizerAccess, sps: list[ShardedParam], src: int) -> None:

@@ -128,9 +128,11 @@ class GradReducer:
         self.deferred_ids.update(id(sp) for sp in params)
         self.usage.add_leaf_params(params)
 
-    def reduce_deferred(self, params: list[ShardedParam], held_only: bool = True) -> None:
-        """Reduce a leaf's gradients in the leaf's parameter order, with zeros for the
-        parameters this rank did not use, so every rank issues the same collectives.
+    def reduce_deferred(self, params: list[ShardedParam], held_only: bool = True,
+                        zeros_dtype: torch.dtype | None = None) -> None:
+        """Reduce a leaf's gradients in the leaf's parameter order, with zeros (of the
+        parameter's dtype, or `zeros_dtype`: the held gradients' own) for the parameters this
+        rank did not use, so every rank issues the same collectives.
         (`held_only=False`: every parameter given, not only the declared leaves'.)"""
         if self.coalescing:
             return
@@ -139,7 +141,7 @@ class GradReducer:
                 continue
             grad = self.deferred.pop(id(sp), None)
             if grad is None:
-                grad = torch.zeros(sp.shape, dtype=sp.dtype, device=sp.param.device)
+                grad = torch.zeros(sp.shape, dtype=zeros_dtype or sp.dtype, device=sp.param.device)
             self.pending.append((sp, grad))
             self.pending_numel += sp.padded_numel
         self._reduce_pending()
@@ -151,11 +153,8 @@ class GradReducer:
         if grad is None:
             return
         self.usage.note(sp)
-        if self.coalescing:  # held for end_coalescing, with this backward's divisor applied now
-            if self.backward_divisor != 1.0:
-                grad = grad / self.backward_divisor
-            held = self.deferred.get(id(sp))
-            self.deferred[id(sp)] = grad if held is None else held + grad
+        if self.coalescing:  # held in fp32 for end_coalescing, with this backward's divisor applied now
+            self._hold_in_fp32(sp, grad)
             return
         if id(sp) in self.deferred_ids:
             held = self.deferred.get(id(sp))
@@ -165,6 +164,17 @@ class GradReducer:
         self.pending_numel += sp.padded_numel
         if self.pending_numel >= self.bucket_numel or self._to_host_unreduced(grad):
             self._reduce_pending()
+
+    def _hold_in_fp32(self, sp: ShardedParam, grad: torch.Tensor) -> None:
+        """Add one backward's gradient into the sum held while coalescing. The sum is fp32,
+        as grad_shard accumulates the uncoalesced path's reductions, so a bf16/fp16 model
+        loses no precision over the window (memory: 4 bytes per element of every
+        parameter with a gradient, until end_coalescing); it is reduced in fp32."""
+        grad = grad.float() if grad.dtype != torch.float32 else grad
+        if self.backward_divisor != 1.0:
+            grad = grad / self.backward_divisor
+        held = self.deferred.get(id(sp))
+        self.deferred[id(sp)] = grad if held is None else held + grad
 
     def _to_host_unreduced(self, grad: torch.Tensor) -> bool:
         """World size 1 with host gradient shards: there is no collective to batch, so each
@@ -183,12 +193,14 @@ class GradReducer:
         held = torch.tensor([float(id(sp) in self.deferred) for sp in trainable])
         self.comm.all_reduce(held)  # a parameter no rank holds a gradient for stays without one
         divisor, self.backward_divisor = self.backward_divisor, 1.0  # applied while holding
+        reduce_dtype, self.reduce_dtype = self.reduce_dtype, torch.float32  # the fp32 sums, unrounded
         try:
             self.reduce_deferred([sp for sp, anywhere in zip(trainable, held.tolist()) if anywhere],
-                                 held_only=False)
+                                 held_only=False, zeros_dtype=torch.float32)
             self.flush()
         finally:
             self.backward_divisor = divisor
+            self.reduce_dtype = reduce_dtype
 
     def flush(self) -> None:
         """Reduce every pending gradient and wait: afterwards each `grad_shard` is complete

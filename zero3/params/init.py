@@ -242,6 +242,22 @@ class Init:
         self._outer = Init._active
         if self._outer is not None:  # nested: the outer context does the work
             return self
+        self._install()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if not self.enabled or self._outer is not None:
+            return None
+        try:
+            self._uninstall(*exc)
+            if exc[0] is None:
+                self._partition_pending()
+        finally:
+            self._pending.clear()
+        return None
+
+    def _install(self) -> None:
+        """Make this context the active one: registration hooks and the materializing mode on."""
         Init._active = self
         hooks = nn.modules.module
         self._handles = [
@@ -250,21 +266,33 @@ class Init:
         ]
         self._mode = _MaterializeOnUse(self)
         self._mode.__enter__()
-        return self
 
-    def __exit__(self, *exc) -> None:
-        if not self.enabled or self._outer is not None:
-            return None
+    def _uninstall(self, *exc) -> None:
         try:
-            self._mode.__exit__(*exc)
+            self._mode.__exit__(*(exc or (None, None, None)))
+        finally:
             for handle in self._handles:
                 handle.remove()
-            if exc[0] is None:
-                self._partition_pending()
-        finally:
-            self._pending.clear()
+            self._handles = []
             Init._active = None
-        return None
+
+    @classmethod
+    @contextlib.contextmanager
+    def paused(cls):
+        """The active context (if any) paused for the block: what it has registered is
+        partitioned first, then nothing built or touched in the block is partitioned or
+        gathered by it (zero3.initialize called inside the context adopts the model built
+        there, as DeepSpeed's does); it is active again after the block."""
+        active = cls._active
+        if active is None:
+            yield
+            return
+        active._partition_pending()
+        active._uninstall()
+        try:
+            yield
+        finally:
+            active._install()
 
     # ------------------------------------------------------------------ hooks
     def _on_parameter_registered(self, module: nn.Module, name: str, param: nn.Parameter | None) -> None:

@@ -4,11 +4,13 @@ Between the end of a `zero3.Init` context and `zero3.initialize`, a parameter's 
 live only in its `InitShard` (init.py's registry) and the parameter's storage is released.
 `InitGather` gathers such parameters whole on every rank (a collective) and, on exit,
 either adopts one rank's values (`modifier_rank=r`) into every rank's shard, or checks
-that nothing changed (`modifier_rank=None`: a change is undone and raises
-`GatheredParametersError` on every rank), then releases the storage again.
+that nothing was written in place (`modifier_rank=None`, DeepSpeed's rule,
+write_marks.py: a write is undone and raises `GatheredParametersError` on every rank),
+then releases the storage again.
 
 Memory: while gathered, each parameter holds its full values; with modifier_rank=None a
-snapshot copy too (freed on exit). The shards stay owned by init.py's registry.
+snapshot copy of those held by an enclosing context too (freed on exit). The shards stay
+owned by init.py's registry.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from zero3.params.init import InitShard, init_shard_of
 from zero3.params.released import describe, release_storage, restore_storage
 from zero3.params.shard_layout import owned_range
 from zero3.params.wire import gather_rows
+from zero3.params.write_marks import WriteMark, mark, written_since
 from zero3.platform.collectives import Communicator
 
 _holds: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter -> open GatheredParameters on it
@@ -32,17 +35,21 @@ class InitGather:
         self.params = params
         self.modifier_rank = modifier_rank
         self.comm = Communicator()
-        self._snapshots: dict[int, torch.Tensor] = {}
+        self._snapshots: dict[int, torch.Tensor] = {}  # id -> values on entry, of those held already
+        self._marks: dict[int, WriteMark] = {}
 
     def enter(self) -> None:
         """Every parameter full on every rank (an all-gather per parameter not already held)."""
         with torch.no_grad():
             for param in self.params:
-                if _holds.get(param, 0) == 0:
+                held_already = _holds.get(param, 0) > 0
+                if not held_already:
                     self._gather(param, init_shard_of(param))
                 _holds[param] = _holds.get(param, 0) + 1
                 if self.modifier_rank is None:
-                    self._snapshots[id(param)] = param.detach().clone()
+                    self._marks[id(param)] = mark(param)
+                    if held_already:
+                        self._snapshots[id(param)] = param.detach().clone()
 
     def exit(self, raise_on_change: bool) -> list[str]:
         """Adopt or check the values, release the storage; returns the changes seen on each rank."""
@@ -58,6 +65,7 @@ class InitGather:
                     del _holds[param]
                     release_storage(param)
         self._snapshots.clear()
+        self._marks.clear()
         return changed_by_rank if raise_on_change else []
 
     def _gather(self, param: torch.Tensor, record: InitShard) -> None:
@@ -77,15 +85,10 @@ class InitGather:
                 param.data.copy_(full)
 
     def _undo_changes(self) -> list:
-        changed = [i for i, p in enumerate(self.params) if not same_bits(p.detach(), self._snapshots[id(p)])]
+        changed = [i for i, p in enumerate(self.params) if written_since(p, self._marks[id(p)])]
         for i in changed:
-            self.params[i].data.copy_(self._snapshots[id(self.params[i])])
+            if id(self.params[i]) in self._snapshots:  # the others are released: their shards are unchanged
+                self.params[i].data.copy_(self._snapshots[id(self.params[i])])
         names = [f"#{i} {describe(self.params[i])}" for i in changed]
         return self.comm.gather_objects(names)
 
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bitwise equality (so a NaN that stays a NaN is no change)."""
-    if a.numel() == 0:
-        return True
-    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))

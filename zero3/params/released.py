@@ -220,8 +220,19 @@ def name_for_errors(param: torch.Tensor, name: str) -> None:
 
 
 def release_storage(param: torch.Tensor) -> None:
-    """Free `param`'s storage (its shape, dtype and device stay) and seal it."""
-    param.untyped_storage().resize_(0)
+    """Free `param`'s storage (its shape, dtype and device stay) and seal it.
+
+    A storage that cannot be resized stays whole with whoever holds it: user code that
+    read the gathered values as NumPy (`p.detach().cpu().numpy()` shares the storage on
+    CPU and marks it not resizable for good) keeps its array, values intact, and the
+    parameter moves to a fresh storage of its own, released. Memory: the held storage is
+    the holder's from then on; the parameter owns only the fresh, empty one."""
+    storage = param.untyped_storage()
+    if not storage.resizable():
+        with torch.no_grad():
+            param.data = torch.empty(param.shape, dtype=param.dtype, device=param.device)
+        storage = param.untyped_storage()
+    storage.resize_(0)
     seal(param)
 
 

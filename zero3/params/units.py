@@ -305,7 +305,7 @@ def build_units(
     None. Leaves come from set_z3_leaf_modules, from it, and from the threshold.
     """
     leaves = {id(m) for m in get_z3_leaf_modules(root)}
-    leaves |= {id(m) for m in config_leaves(root, leaf_module)}
+    leaves |= {id(m) for m in _mark(config_leaves(root, leaf_module), True)}  # z3_leaf_module reports them too
     leaves |= {id(m) for m in threshold_leaves(root, granularity_threshold)}
     if not leaves:
         leaves = {id(m) for m in block_leaves(root)}

@@ -1,8 +1,9 @@
 """`deepspeed.utils`'s names, thin over zero3's own code.
 
 The leaf-module functions (units.py), DeepSpeed's `safe_get_full_*` / `safe_set_full_*` /
-`safe_get_local_*` / `safe_set_local_*` accessors (compat/param_access.py: their semantics,
-collectives and ownership are written there), `logger` and `log_dist`.
+`safe_get_local_*` / `safe_set_local_*` / `safe_update_full_grad_vectorized` accessors
+(compat/param_access.py: their semantics, collectives and ownership are written there),
+`logger` and `log_dist`; `zero3.utils.torch.required_torch_version`.
 """
 
 from __future__ import annotations
@@ -48,6 +49,9 @@ from zero3.compat.param_access import (
 from zero3.compat.param_access import (
     set_local_optimizer_state as safe_set_local_optimizer_state,
 )
+from zero3.compat.param_access import (
+    update_full_grad_vectorized as safe_update_full_grad_vectorized,
+)
 from zero3.params.units import (
     get_z3_leaf_modules,
     set_z3_leaf_module,
@@ -75,7 +79,7 @@ __all__ = [
     "safe_get_full_optimizer_state", "safe_get_local_fp32_param", "safe_get_local_grad",
     "safe_get_local_optimizer_state", "safe_set_full_fp32_param", "safe_set_full_grad",
     "safe_set_full_optimizer_state", "safe_set_local_fp32_param", "safe_set_local_grad",
-    "safe_set_local_optimizer_state", "set_z3_leaf_module", "set_z3_leaf_modules",
+    "safe_set_local_optimizer_state", "safe_update_full_grad_vectorized", "set_z3_leaf_module", "set_z3_leaf_modules",
     "set_z3_leaf_modules_by_name", "set_z3_leaf_modules_by_suffix", "unset_z3_leaf_modules",
     "z3_leaf_module", "z3_leaf_parameter",
 ]

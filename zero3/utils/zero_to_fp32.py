@@ -7,8 +7,9 @@ ones from their saved weights (upcast to fp32); buffers keep their dtype. The ch
 is verified first (manifest, sizes, checksums): a damaged one raises CheckpointError and
 nothing is returned or written.
 
-Memory: the returned state dict is owned by the caller; every tied name gets its own
-tensor (safetensors refuses shared storage).
+Memory: the returned state dict is owned by the caller; tied names share one tensor
+object, as DeepSpeed's do (the files written with safe_serialization give each its own
+copy, since safetensors refuses shared storage).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from safetensors.torch import save_file
 from torch import nn
 
 from zero3.checkpoint import format as ckpt
+from zero3.compat.param_access import load_into_live_params
+from zero3.engine_parts.owner import owner_of
 
 logger = logging.getLogger("zero3")
 
@@ -66,8 +69,9 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str | os.PathLike, 
             key = f"master/{name}" if entry.get("master") else f"param/{name}"
             value = reader.read_range(key, entry["numel"], 0, entry["numel"]).view(entry["shape"])
             value = value.float() if value.is_floating_point() else value
+            value = value.clone()
             for out_name in [name, *aliases_of.get(name, [])]:
-                out[out_name] = value.clone()
+                out[out_name] = value
         for name, entry in manifest.get("buffers", {}).items():
             out[name] = reader.read_whole(f"buffer/{name}").view(entry["shape"]).clone()
     return out
@@ -117,6 +121,7 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str | os.PathLike
     for file_name, group in zip(names, groups):
         part = {name: state_dict[name].contiguous() for name in group}
         if safe_serialization:
+            part = _unshared(part)
             save_file(part, str(output / file_name), metadata={"format": "pt"})
         else:
             torch.save(part, output / file_name)
@@ -129,11 +134,31 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str | os.PathLike
     return names
 
 
+def _unshared(part: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`part` with a tensor object that several names share copied for all but the first."""
+    seen: set[int] = set()
+    out = {}
+    for name, tensor in part.items():
+        out[name] = tensor.clone() if id(tensor) in seen else tensor
+        seen.add(id(tensor))
+    return out
+
+
 def load_state_dict_from_zero_checkpoint(model: nn.Module, checkpoint_dir: str | os.PathLike,
                                          tag: str | None = None) -> nn.Module:
-    """Move `model` to the CPU and load the checkpoint's fp32 weights into it (not strict:
-    a frozen-excluded checkpoint leaves those weights as they are). Returns the model."""
+    """Load the checkpoint's fp32 weights into `model` (not strict: a frozen-excluded
+    checkpoint leaves those weights as they are). Returns the model.
+
+    A plain model is moved to the CPU first, as DeepSpeed's function does. A model whose
+    parameters a live engine manages (`engine.module`, e.g. inside
+    `GatheredParameters(model.parameters(), modifier_rank=None)` after training) stays
+    where it is: the values go into the engine's fp32 masters and shards and into the
+    gathered parameters (compat/param_access.py), so training and the block's exit keep them.
+    Every rank must call it then, with the same checkpoint."""
     state_dict = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag)
+    if any(owner_of(p) is not None for p in model.parameters()):
+        load_into_live_params(model, state_dict)
+        return model
     model = model.cpu()
     model.load_state_dict(state_dict, strict=False)
     return model
