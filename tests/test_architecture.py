@@ -208,6 +208,10 @@ PUBLIC_PATHS = [
     "zero3.config.from_deepspeed", "zero3.checkpoint.CheckpointError",
     "zero3.checkpoint.export.consolidated_state_dict", "zero3.checkpoint.export.save_fp32_model",
     "zero3.checkpoint.export.full_fp32_param", "zero3.cli.main",
+    "zero3.DeepSpeedConfigError", "zero3.runtime.config.DeepSpeedConfigError", "zero3.runtime.config.ADAM_OPTIMIZER",
+    "zero3.runtime.lr_schedules.WarmupLR", "zero3.runtime.lr_schedules.WARMUP_LR",
+    "zero3.runtime.zero.offload_config.OffloadDeviceEnum", "zero3.utils.torch.required_torch_version",
+    "zero3.utils.safe_update_full_grad_vectorized",
 ]
 HF_PATHS = ["zero3.hf.Trainer", "zero3.hf.trainer_class", "zero3.hf.ConfigFillError",
             "zero3.hf.UnsupportedOptionError"]
