@@ -7,8 +7,8 @@
 - `importer.py`: conversion into a zero3 checkpoint (`zero3 checkpoint import-deepspeed`);
 - `exporter.py`: a zero3 checkpoint written in DeepSpeed's layout for N ranks
   (`zero3 checkpoint export-deepspeed`), `pickling.py` writing DeepSpeed's three objects
-  by their class names without importing DeepSpeed.
-  `trainer_folder.py`: a Hugging Face Trainer `checkpoint-N` exported whole (the Trainer's
+  by their class names without importing DeepSpeed;
+- `trainer_folder.py`: a Hugging Face Trainer `checkpoint-N` exported whole (the Trainer's
   files carried beside DeepSpeed's), which the Trainer with `deepspeed=` resumes.
 
 May import: the checkpoint format modules (errors, paths, manifest, files, format).

@@ -145,8 +145,10 @@ def _check_states(manifest: dict, common: dict, reader: ckpt.ShardReader, groups
             if any(not torch.equal(v, values[first]) for v in values.values()):
                 raise ckpt.CheckpointError(
                     f"{folder}: optimizer state {key!r} differs within DeepSpeed sub-group {index}: "
-                    f"{ {n: v.tolist() for n, v in values.items()} }; DeepSpeed keeps one per sub-group "
-                    "(a parameter that got no gradient on some steps): use a sub_group_size that gives it its own")
+                    f"{ {n: v.tolist() for n, v in values.items()} } (a parameter that got no gradient on some "
+                    "steps); DeepSpeed keeps one per sub-group, so this cannot be written as it is: export with a "
+                    "--sub-group-size that puts the parameters of different counts in different sub-groups, and "
+                    "give the DeepSpeed run the same zero_optimization.sub_group_size (nothing was written)")
             scalars[key] = values[first]
         extras = [common.get("optim_extras", {}).get(m.name, {}) for m in group]
         if any(e != extras[0] for e in extras):
@@ -300,8 +302,9 @@ def _planned(folder: Path, world: int, sub_group_size: int, reader: ckpt.ShardRe
     clashes = sorted(map(str, set(common.get("client_state") or {}) & DEEPSPEED_KEYS))
     if clashes:
         raise ckpt.CheckpointError(
-            f"{folder}: client_state keys {clashes} are names DeepSpeed uses in its model file, where the "
-            "client_state is written: rename them and save again")
+            f"{folder}: client_state keys {clashes} are names DeepSpeed uses for its own entries in the model "
+            "file, where the client_state is written (DeepSpeed would read them as its own): rename them in the "
+            "client_state given to save_checkpoint, save again and export that (nothing was written)")
     return _Export(folder, manifest, common, world, sub_group_size, groups, group_of, states)
 
 
