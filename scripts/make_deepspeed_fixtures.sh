@@ -6,11 +6,20 @@
 #   bash scripts/make_deepspeed_fixtures.sh                 # every fixture
 #   VENV=/path/to/venv bash scripts/make_deepspeed_fixtures.sh seed_fp32_w2 mlp_fp16_w3
 #   ZERO3_PYTHON=/path/to/zero3/venv/bin/python bash scripts/make_deepspeed_fixtures.sh --check-export
+#   ZERO3_PYTHON=/path/to/zero3/venv/bin/python bash scripts/make_deepspeed_fixtures.sh --check-trainer-export
 #
 # --check-export: `zero3 checkpoint export-deepspeed` of the committed zero3 checkpoint
 # tests/fixtures/deepspeed/export_llama_lora_bf16_w2/zero3 (run with zero3's Python), then
 # DeepSpeed loads the export on 2 gloo ranks and compares it with zero3's values
 # (check_export.py), writing export_llama_lora_bf16_w2/deepspeed_result.json.
+#
+# --check-trainer-export: the same for a Hugging Face Trainer checkpoint: zero3.hf's committed
+# tests/fixtures/deepspeed/hf_trainer_export_lora_w2/zero3/checkpoint-2 is exported (the
+# Trainer's files and DeepSpeed's layout), the Trainer with `deepspeed=` resumes it on 2 gloo
+# ranks and logs steps 3-4 into hf_trainer_export_lora_w2/deepspeed_result.json
+# (hf_trainer_export.py); then zero3's own continuation is checked against those numbers
+# (tests/hf/test_hf_trainer_export.py). `python tests/fixtures/deepspeed/hf_trainer_export.py`
+# (zero3's Python) rewrites the zero3 checkpoint first, when wanted.
 #
 # DS_BUILD_OPS=0: no C++/CUDA op is compiled at install time (on CPU, DeepSpeed builds its
 # shared-memory comm op with ninja the first time it runs, into ~/.cache/torch_extensions).
@@ -41,6 +50,20 @@ if [ "${1:-}" = "--check-export" ]; then
         tests/fixtures/deepspeed/export_llama_lora_bf16_w2/zero3 "$EXPORTED" --world-size 2 --sub-group-size 40
     DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 PYTHONWARNINGS=ignore HF_HUB_OFFLINE=1 \
         "$VENV/bin/python" tests/fixtures/deepspeed/check_export.py "$EXPORTED"
+    exit $?
+fi
+if [ "${1:-}" = "--check-trainer-export" ]; then
+    SCRATCH="$(mktemp -d)"
+    trap 'rm -rf "$SCRATCH"' EXIT
+    ZPY="${ZERO3_PYTHON:-python3}"
+    PYTHONPATH="$ROOT" "$ZPY" -m zero3.cli checkpoint export-deepspeed \
+        tests/fixtures/deepspeed/hf_trainer_export_lora_w2/zero3/checkpoint-2 "$SCRATCH/exported/checkpoint-2" \
+        --world-size 2
+    DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 PYTHONWARNINGS=ignore HF_HUB_OFFLINE=1 \
+        "$VENV/bin/python" tests/fixtures/deepspeed/hf_trainer_export.py --deepspeed \
+        "$SCRATCH/exported/checkpoint-2" "$SCRATCH/deepspeed"
+    PYTHONPATH="$ROOT" OMP_NUM_THREADS=1 ZERO3_ACCELERATOR=cpu HF_HUB_OFFLINE=1 \
+        "$ZPY" -m pytest -q -p no:cacheprovider tests/hf/test_hf_trainer_export.py
     exit $?
 fi
 DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 PYTHONWARNINGS=ignore HF_HUB_OFFLINE=1 \

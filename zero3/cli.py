@@ -15,7 +15,9 @@ Nothing here starts torch.distributed; everything is read from the files. `inspe
 also recognizes a DeepSpeed ZeRO-3 checkpoint (checkpoint/deepspeed/layout.py) and says what it holds;
 `import-deepspeed` rewrites one as a zero3 checkpoint (checkpoint/deepspeed/importer.py);
 `export-deepspeed` writes a zero3 checkpoint in DeepSpeed's ZeRO-3 layout for N ranks
-(checkpoint/deepspeed/exporter.py), which DeepSpeed's `load_checkpoint` resumes.
+(checkpoint/deepspeed/exporter.py), which DeepSpeed's `load_checkpoint` resumes; given a
+Hugging Face Trainer `checkpoint-N` folder, DST becomes one too (the Trainer's files copied
+beside DeepSpeed's), which the Trainer with `deepspeed=` resumes.
 
 Exit status: 0 when all is well, 1 when a problem was found (each printed with the file
 it concerns), 2 for a usage error.
@@ -175,6 +177,11 @@ def export_deepspeed(src: Path, dst: Path, world_size: int, sub_group_size: int,
           f"{summary['sub_groups']} sub-groups, {len(summary['files'])} files, {_human(summary['bytes'])}, global "
           f"step {summary['global_steps']}; {dst / ckpt.LATEST} -> {summary['tag']}. Load it with DeepSpeed on "
           f"{summary['world_size']} ranks with zero_optimization.sub_group_size {sub_group_size}")
+    if summary["trainer_files"]:
+        print(f"a Trainer checkpoint: copied {', '.join(summary['trainer_files'])} into {dst}; resume it with "
+              f"Trainer(args=TrainingArguments(..., deepspeed=ds_config)).train(resume_from_checkpoint={str(dst)!r})")
+    if summary["trainer_note"]:
+        print(f"note: {summary['trainer_note']}")
     return 0
 
 
@@ -296,8 +303,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("dst", type=Path, help="the zero3 save_dir to write (its tag folder must not exist)")
     p.add_argument("--tag", help="the DeepSpeed tag to import (default: the one `latest` names)")
     p = actions.add_parser("export-deepspeed", help="write a zero3 checkpoint in DeepSpeed's ZeRO-3 layout")
-    p.add_argument("dir", type=Path, help="the zero3 save_dir (with latest) or tag folder")
-    p.add_argument("dst", type=Path, help="the DeepSpeed save_dir to write (its tag folder must not exist)")
+    p.add_argument("dir", type=Path, help="the zero3 save_dir (with latest), tag folder or Trainer checkpoint-N")
+    p.add_argument("dst", type=Path, help="the DeepSpeed save_dir (or Trainer checkpoint-N) to write; its tag "
+                   "folder must not exist")
     p.add_argument("--world-size", type=int, required=True, help="data-parallel ranks DeepSpeed will load it on")
     p.add_argument("--sub-group-size", type=int, default=DEEPSPEED_SUB_GROUP_SIZE,
                    help="the DeepSpeed run's zero_optimization.sub_group_size (default: DeepSpeed's, 1e9)")

@@ -7,7 +7,9 @@
 - `importer.py`: conversion into a zero3 checkpoint (`zero3 checkpoint import-deepspeed`);
 - `exporter.py`: a zero3 checkpoint written in DeepSpeed's layout for N ranks
   (`zero3 checkpoint export-deepspeed`), `pickling.py` writing DeepSpeed's three objects
-  by their class names without importing DeepSpeed.
+  by their class names without importing DeepSpeed;
+- `trainer_folder.py`: a Hugging Face Trainer `checkpoint-N` exported whole (the Trainer's
+  files carried beside DeepSpeed's), which the Trainer with `deepspeed=` resumes.
 
 May import: the checkpoint format modules (errors, paths, manifest, files, format).
 Must not import the engine, its parts, the core's runtime modules, compat, hf or the

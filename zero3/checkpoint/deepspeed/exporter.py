@@ -29,6 +29,10 @@ DeepSpeed keeps one optimizer step count per sub-group: parameters of one sub-gr
 with different counts (a parameter that got no gradient on some steps) are refused,
 naming them. Every check runs before the first write; the destination tag folder must
 not exist; each file goes through a temporary name and a rename, `latest` last.
+
+A Hugging Face Trainer `checkpoint-N` folder as the source (it holds trainer_state.json)
+is exported whole: DST becomes a `checkpoint-N` folder that the Trainer with `deepspeed=`
+resumes, the Trainer's files copied as they are (trainer_folder.py says which it reads).
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from typing import Any
 import torch
 
 from zero3.checkpoint import format as ckpt
+from zero3.checkpoint.deepspeed import trainer_folder as trainer
 from zero3.checkpoint.deepspeed.layout import DEEPSPEED_KEYS
 from zero3.checkpoint.deepspeed.pickling import loss_scaler_object, save_with_deepspeed_names, zero_stage_3
 from zero3.checkpoint.files import fsync_dir, removed_on_failure
@@ -140,8 +145,10 @@ def _check_states(manifest: dict, common: dict, reader: ckpt.ShardReader, groups
             if any(not torch.equal(v, values[first]) for v in values.values()):
                 raise ckpt.CheckpointError(
                     f"{folder}: optimizer state {key!r} differs within DeepSpeed sub-group {index}: "
-                    f"{ {n: v.tolist() for n, v in values.items()} }; DeepSpeed keeps one per sub-group "
-                    "(a parameter that got no gradient on some steps): use a sub_group_size that gives it its own")
+                    f"{ {n: v.tolist() for n, v in values.items()} } (a parameter that got no gradient on some "
+                    "steps); DeepSpeed keeps one per sub-group, so this cannot be written as it is: export with a "
+                    "--sub-group-size that puts the parameters of different counts in different sub-groups, and "
+                    "give the DeepSpeed run the same zero_optimization.sub_group_size (nothing was written)")
             scalars[key] = values[first]
         extras = [common.get("optim_extras", {}).get(m.name, {}) for m in group]
         if any(e != extras[0] for e in extras):
@@ -295,8 +302,9 @@ def _planned(folder: Path, world: int, sub_group_size: int, reader: ckpt.ShardRe
     clashes = sorted(map(str, set(common.get("client_state") or {}) & DEEPSPEED_KEYS))
     if clashes:
         raise ckpt.CheckpointError(
-            f"{folder}: client_state keys {clashes} are names DeepSpeed uses in its model file, where the "
-            "client_state is written: rename them and save again")
+            f"{folder}: client_state keys {clashes} are names DeepSpeed uses for its own entries in the model "
+            "file, where the client_state is written (DeepSpeed would read them as its own): rename them in the "
+            "client_state given to save_checkpoint, save again and export that (nothing was written)")
     return _Export(folder, manifest, common, world, sub_group_size, groups, group_of, states)
 
 
@@ -314,8 +322,14 @@ def export_deepspeed(src: Path, dst: Path, world_size: int, sub_group_size: int 
     """Write zero3 checkpoint (src, tag) as DeepSpeed ZeRO-3 checkpoint `dst/<its tag>` for
     `world_size` ranks and point `dst/latest` at it. Returns what was written.
 
+    When `src` is a Hugging Face Trainer `checkpoint-N` folder (trainer_state.json), `dst`
+    becomes one too: the Trainer's files are copied beside DeepSpeed's (trainer_folder.py),
+    so `Trainer(args=TrainingArguments(deepspeed=...)).train(resume_from_checkpoint=dst)`
+    resumes it.
+
     Raises CheckpointError for a source that fails verification or cannot be expressed
-    in DeepSpeed's layout, and when the destination tag exists; nothing is written then."""
+    in DeepSpeed's layout, and when the destination tag (or a Trainer file) exists;
+    nothing is written then."""
     if world_size < 1 or sub_group_size < 1:
         raise ckpt.CheckpointError(
             f"world_size {world_size} and sub_group_size {sub_group_size}: both must be at least 1")
@@ -328,28 +342,52 @@ def export_deepspeed(src: Path, dst: Path, world_size: int, sub_group_size: int 
     out = Path(dst) / folder.name
     if out.exists():
         raise ckpt.CheckpointError(f"{out} already exists; export into another directory or remove it")
-    written: dict[str, int] = {}
+    extra = trainer.trainer_entries(Path(src)) if trainer.is_trainer_checkpoint(Path(src)) else []
+    trainer.refuse_existing(extra, Path(dst))
     with ckpt.ShardReader(folder, manifest) as reader:
         export = _planned(folder, world_size, sub_group_size, reader)
-        out.mkdir(parents=True)
-        try:
-            for rank in range(world_size):
-                model_path = out / model_file_name(rank)
-                optim_path = out / optim_file_name(rank, export.compute_dtype)
-                written[model_path.name] = _save(_model_state(export, reader, rank), model_path)
-                written[optim_path.name] = _save(_optim_state(export, reader, rank), optim_path)
-        except BaseException:
-            shutil.rmtree(out, ignore_errors=True)  # no half-written DeepSpeed folder is left
-            raise
+        written = _write_rank_files(export, reader, out)
+    copied = _copy_trainer_files(extra, out)
+    _write_latest(Path(dst), folder.name)
+    summary = {"folder": str(out), "tag": folder.name, "world_size": world_size, "sub_groups": len(export.groups),
+               "files": sorted(written), "bytes": sum(written.values()),
+               "global_steps": int(export.common.get("global_steps", 0)), "trainer_files": copied,
+               "trainer_note": trainer.rng_note(extra, world_size) if extra else None}
+    return summary
+
+
+def _write_rank_files(export: _Export, reader: ckpt.ShardReader, out: Path) -> dict[str, int]:
+    """Every rank's two files in the new folder `out`; the folder is removed on failure."""
+    written: dict[str, int] = {}
+    out.mkdir(parents=True)
+    try:
+        for rank in range(export.world):
+            model_path = out / model_file_name(rank)
+            optim_path = out / optim_file_name(rank, export.compute_dtype)
+            written[model_path.name] = _save(_model_state(export, reader, rank), model_path)
+            written[optim_path.name] = _save(_optim_state(export, reader, rank), optim_path)
+    except BaseException:
+        shutil.rmtree(out, ignore_errors=True)  # no half-written DeepSpeed folder is left
+        raise
     fsync_dir(out)
-    latest = Path(dst) / "latest"
+    return written
+
+
+def _copy_trainer_files(entries: list[Path], out: Path) -> list[str]:
+    """The Trainer's files beside the tag folder `out`; `out` is removed if copying fails."""
+    try:
+        return trainer.copy_entries(entries, out.parent) if entries else []
+    except BaseException:
+        shutil.rmtree(out, ignore_errors=True)
+        raise
+
+
+def _write_latest(dst: Path, tag: str) -> None:
+    """`dst/latest` names `tag`: written last, through a temporary name."""
+    latest = dst / "latest"
     with removed_on_failure(latest.with_name("latest.tmp")), open(latest.with_name("latest.tmp"), "w") as f:
-        f.write(folder.name)
+        f.write(tag)
         f.flush()
         os.fsync(f.fileno())
     os.replace(latest.with_name("latest.tmp"), latest)
-    fsync_dir(Path(dst))
-    return {"folder": str(out), "tag": folder.name, "world_size": world_size, "sub_groups": len(export.groups),
-            "files": sorted(written), "bytes": sum(written.values()),
-            "global_steps": int(export.common.get("global_steps", 0))}
-
+    fsync_dir(dst)
