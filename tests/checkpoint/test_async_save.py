@@ -89,6 +89,7 @@ def inflight_and_resume(rank: int, world: int, root: str) -> dict:
     out["same_losses"] = train(resumed, rank, world, 4, 2) == losses
     out["exact_after"] = _equal(_state(resumed), final)
     out["rank0_holds_state"] = bool(final)
+    out["snapshot"] = (engine.checkpointer.snapshot.held_bytes, len(engine.table))
     return out
 
 
@@ -120,6 +121,22 @@ def test_resume_from_an_async_save_is_bit_exact(inflight):
         assert out["load_s2"] == str(base / "ckpt" / "s2") and out["exact_s2"]
         assert out["load_latest"] == str(base / "ckpt" / "s4") and out["exact_s4"]
         assert out["same_losses"] and out["exact_after"], out
+
+
+def test_the_estimate_counts_the_snapshot_buffer(inflight):
+    from zero3.estimate import estimate_memory
+
+    _, results = inflight
+    world = len(results)
+    estimate = estimate_memory(make_model(), world, {**config(MICRO, 1), "checkpoint": {"async_save": True}},
+                               device_type="cpu")
+    assert estimate_memory(make_model(), world, config(MICRO, 1), device_type="cpu").checkpoint_snapshot == 0
+    for out in results:
+        held, params = out["snapshot"]
+        # per tensor: the estimate rounds a shard up to ceil(numel / world) elements, the
+        # buffer aligns each of a parameter's (at most 4) tensors to 64 bytes
+        assert abs(held - estimate.checkpoint_snapshot) <= params * 4 * 64, (held, estimate.checkpoint_snapshot)
+        assert estimate.host_total >= estimate.checkpoint_snapshot > 0
 
 
 # ------------------------------------------------------------- background write errors
