@@ -30,14 +30,16 @@ still names the previous checkpoint.
 
 Memory: the snapshot buffer (the rank's checkpoint bytes, about 16 bytes per parameter
 / world size for bf16 with AdamW) is held from the first asynchronous save until
-`close()`; nothing else of size. Threads: one writer at a time per engine, which owns the
-snapshot's views until it ends.
+`close()`; nothing else of size. Threads: one writer thread per engine, started by the
+first asynchronous save and ended by `close()`; it owns the snapshot's views while a job
+runs.
 """
 
 from __future__ import annotations
 
 import atexit
 import logging
+import queue
 import sys
 import threading
 import weakref
@@ -97,7 +99,8 @@ class AsyncCheckpointer:
         self.world_size = world_size
         self.snapshot = HostSnapshot()
         self._job: _Job | None = None
-        self._thread: threading.Thread | None = None
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None  # the writer, started by the first save
         self._buffer_logged = False
         _open.add(self)
 
@@ -129,9 +132,7 @@ class AsyncCheckpointer:
         if job is None:
             return
         job.done.wait()
-        if self._thread is not None:
-            self._thread.join()
-        self._job, self._thread = None, None
+        self._job = None
         if job.error is not None:
             raise CheckpointError(f"{job.describe()} failed and was not committed (a load still picks the "
                                   f"previous checkpoint): {job.error}")
@@ -141,6 +142,10 @@ class AsyncCheckpointer:
         try:
             self.wait()
         finally:
+            if self._thread is not None:
+                self._jobs.put(None)
+                self._thread.join()
+                self._thread = None
             self.snapshot.release()
             _open.discard(self)
 
@@ -168,10 +173,14 @@ class AsyncCheckpointer:
         return _Job(target, files, manifest, extra, save_latest, comm.rank, comm.world_size, board)
 
     def _start(self, job: _Job) -> None:
+        """Hand `job` to the writer thread (started once: starting a thread per save costs
+        a scheduling round trip, tens of ms on a busy host, inside the blocking time)."""
         self._job = job
-        self._thread = threading.Thread(target=_write_and_commit, args=(job,), daemon=True,
-                                        name=f"zero3-checkpoint-writer-{job.rank}")
-        self._thread.start()
+        if self._thread is None:
+            self._thread = threading.Thread(target=_writer, args=(self._jobs,), daemon=True,
+                                            name=f"zero3-checkpoint-writer-{job.rank}")
+            self._thread.start()
+        self._jobs.put(job)
 
     def _log_buffer(self) -> None:
         if not self._buffer_logged:
@@ -179,6 +188,12 @@ class AsyncCheckpointer:
             logger.info("zero3: rank %d holds a %.2f GiB %s host buffer for asynchronous saves",
                         self.rank, self.snapshot.held_bytes / 2**30,
                         "pinned" if self.snapshot.pinned else "pageable")
+
+
+def _writer(jobs: "queue.SimpleQueue[_Job | None]") -> None:
+    """The writer thread's loop: one job at a time, until None."""
+    while (job := jobs.get()) is not None:
+        _write_and_commit(job)
 
 
 def _write_and_commit(job: _Job) -> None:
