@@ -3,6 +3,8 @@
 A Llama (random weights, built from a LlamaConfig) trains with zero3 and AdamW; every
 `--save-every` steps it saves a checkpoint, first with synchronous saves, then with
 asynchronous ones (`save_checkpoint(..., async_save=True)`), each into a fresh folder.
+Every save overwrites one tag (`rolling`), so the disk holds at most two copies of the
+state (the committed one and the one being written); a mode's folder is removed at its end.
 Per mode it reports:
 - blocking: the wall time of each save_checkpoint call (the device synchronized before the
   call), the first save apart (an asynchronous save allocates, and on a GPU pins, its host
@@ -119,13 +121,17 @@ def run_mode(engine, options: argparse.Namespace, mode: str, rank: int, world: i
         writing = False
         if step >= 2 and (step - 1) % options.save_every == 0:
             start = time.perf_counter()
-            engine.save_checkpoint(str(folder), async_save=(mode == "async"))
+            engine.save_checkpoint(str(folder), tag="rolling", async_save=(mode == "async"))
             synchronize(options.device)
             saves.append(time.perf_counter() - start)
             writing = mode == "async"
     start = time.perf_counter()
     engine.wait_for_checkpoint()
     final_wait = time.perf_counter() - start
+    if dist.is_initialized():
+        dist.barrier()
+    if rank == 0:
+        shutil.rmtree(folder, ignore_errors=True)  # at most two copies of the state on disk at a time
     return {"mode": mode, "saves": saves, "steps": steps, "overlapped": overlapped, "final_wait": final_wait,
             "snapshot_bytes": engine.checkpointer.snapshot.held_bytes}
 
