@@ -249,6 +249,8 @@ def _estimate_config(args: argparse.Namespace) -> dict:
         config.pop("fp16", None)
         if args.dtype != "fp32":
             config[args.dtype] = {"enabled": True}
+    if args.async_checkpoint:
+        config.setdefault("checkpoint", {})["async_save"] = True
     if args.optimizer:
         momentum = 0.9 if args.optimizer == "sgd-momentum" else 0.0
         config["optimizer"] = ({"type": "AdamW", "params": {"lr": 1e-3}} if args.optimizer == "adamw"
@@ -270,6 +272,8 @@ def estimate(args: argparse.Namespace) -> int:
     print(f"  {'':18} {'device':>12} {'host':>12}")
     for name in result.by_category():
         print(f"  {name:18} {_human(result.device.get(name, 0)):>12} {_human(result.host.get(name, 0)):>12}")
+    if result.checkpoint_snapshot:
+        print(f"  {'checkpoint_snapshot':18} {'':>12} {_human(result.checkpoint_snapshot):>12}")
     print(f"  {'total':18} {_human(result.device_total):>12} {_human(result.host_total):>12}")
     if result.gathered_unit is None:
         print("  plus the fetch units gathered while they run (unknown for a bare count) and activations")
@@ -322,6 +326,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--offload-param", action="store_true", help="offload_param to cpu")
     p.add_argument("--offload-optimizer", action="store_true", help="offload_optimizer to cpu")
     p.add_argument("--persistence-threshold", type=int, help="stage3_param_persistence_threshold")
+    p.add_argument("--async-checkpoint", action="store_true",
+                   help="checkpoint.async_save: count the host buffer of asynchronous saves")
     p.add_argument("--optimizer", choices=["adamw", "sgd", "sgd-momentum"], help="default: the config's, else AdamW")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     return parser

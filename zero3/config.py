@@ -303,6 +303,7 @@ class Zero3Config:
     vocabulary_size: int | None
     checkpoint_tag_validation: str
     checkpoint_arrival_timeout: float
+    checkpoint_async_save: bool
     throughput_timer_enabled: bool
     throughput_timer_synchronized: bool
     raw: dict
@@ -1174,6 +1175,9 @@ _CHECKPOINT_RULES: dict[str, _Rule] = {
     "arrival_timeout": _Map("arrival_timeout", _float(0.0, strict=True),
                             "zero3: seconds save_checkpoint / load_checkpoint wait for every rank to arrive "
                             "before raising CheckpointArrivalError (default 60)"),
+    "async_save": _Map("async_save", _bool,
+                       "zero3: save_checkpoint returns once a host snapshot is taken and writes in the "
+                       "background (default false; save_checkpoint(async_save=) overrides it per call)"),
     "load_universal": _off(False, "DeepSpeed's universal checkpoint format is not read by zero3",
                            "Remove the key: zero3 checkpoints load on any world size."),
     "use_node_local_storage": _off(False, "zero3 writes every checkpoint to one shared directory"),
@@ -1447,6 +1451,7 @@ def from_deepspeed(config: "dict | str | os.PathLike", world_size: int) -> Zero3
         vocabulary_size=values.get("vocabulary_size"),
         checkpoint_tag_validation=values.get("_checkpoint", {}).get("tag_validation", "WARN"),
         checkpoint_arrival_timeout=values.get("_checkpoint", {}).get("arrival_timeout", 60.0),
+        checkpoint_async_save=values.get("_checkpoint", {}).get("async_save", False),
         throughput_timer_enabled=timers.get("throughput_timer_enabled", True),
         throughput_timer_synchronized=timers.get("throughput_timer_synchronized", True),
         raw=copy.deepcopy(raw),
@@ -1481,6 +1486,7 @@ _DOC_FIELDS = {
     "_checkpoint": "checkpoint_tag_validation", "enabled": "precision.dtype",
     "check_grad_overflow": "precision.check_grad_overflow", "param_dtype": "checked against precision.dtype",
     "tag_validation": "checkpoint_tag_validation", "arrival_timeout": "checkpoint_arrival_timeout",
+    "async_save": "checkpoint_async_save",
     "throughput": "throughput_timer_*",
 }
 

@@ -38,6 +38,7 @@ from torch import nn
 from zero3.checkpoint import export
 from zero3.checkpoint import save_load as checkpoint_io
 from zero3.checkpoint.arrival import check_in
+from zero3.checkpoint.async_save import AsyncCheckpointer
 from zero3.compat.engine_surface import EngineSurface
 from zero3.compat.param_status import mark_managed
 from zero3.config import Zero3Config
@@ -125,6 +126,7 @@ class Engine(EngineSurface, nn.Module):
         for request in compile_requests:
             self.compiled_units.apply(request)
         self._build_views()
+        self.checkpointer = AsyncCheckpointer(self.comm.rank, self.comm.world_size)
         register(self.param_owner)
         self._destroyed = False
         diagnostics.report_config(config, self.comm.rank)
@@ -436,28 +438,40 @@ class Engine(EngineSurface, nn.Module):
 
     # ------------------------------------------------------------ checkpoints
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True,
-                        exclude_frozen_parameters: bool = False) -> bool:
+                        exclude_frozen_parameters: bool = False, async_save: bool | None = None) -> bool:
         """Save the training state under `save_dir/<tag>` (a collective). Inside a
         gradient-accumulation window the gradients accumulated so far are saved too, and
-        a load goes on from the same micro-step."""
+        a load goes on from the same micro-step.
+
+        With `async_save` (default: the config's checkpoint.async_save) it returns once a
+        host snapshot is taken; the files are written and committed in the background
+        (checkpoint/async_save.py). Either way it first waits for a save still in flight
+        and raises that save's error, if it failed."""
         if save_dir is None or (isinstance(save_dir, str) and not save_dir.strip()):
             raise ValueError(f"save_checkpoint(save_dir={save_dir!r}): save_dir must name a directory "
                              "(e.g. \"checkpoints\"); nothing was written")
         self._check_alive()
+        self.checkpointer.wait()
         check_in("save_checkpoint", self.comm.rank, self.comm.world_size, self.config.checkpoint_arrival_timeout)
         self._settle()
         self.reducer.flush()
         # Zero gradient shards of leaf parameters no rank used are not gradients: dropped
         # before they are saved, so a load goes on as this engine does (grads/usage.py).
         self.reducer.usage.drop_unused_everywhere(self.comm.all_reduce, self.device)
-        return checkpoint_io.save(self._training_state(), save_dir, tag, client_state or {}, save_latest,
-                                  exclude_frozen_parameters, self.config.checkpoint_tag_validation,
-                                  self.config.zero.gather_16bit_weights_on_model_save)
+        use_async = self.config.checkpoint_async_save if async_save is None else bool(async_save)
+        save = self.checkpointer.save if use_async else checkpoint_io.save
+        return save(self._training_state(), save_dir, tag, client_state or {}, save_latest, exclude_frozen_parameters,
+                    self.config.checkpoint_tag_validation, self.config.zero.gather_16bit_weights_on_model_save)
+
+    def wait_for_checkpoint(self) -> None:
+        """Return once the last save is committed; raise its error (on every rank) if it failed."""
+        self.checkpointer.wait()
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False):
         self._check_alive()
+        self.checkpointer.wait()
         check_in("load_checkpoint", self.comm.rank, self.comm.world_size, self.config.checkpoint_arrival_timeout)
         self._settle()
         loaded = checkpoint_io.load(
@@ -482,9 +496,17 @@ class Engine(EngineSurface, nn.Module):
 
     # -------------------------------------------------------------- lifetime
     def destroy(self) -> None:
-        """Remove every hook; gather the parameters back so the module is plain again."""
+        """Remove every hook; gather the parameters back so the module is plain again.
+        A save still being written is waited for first; its error, if any, is raised
+        once the engine is taken down."""
         if self._destroyed:
             return
+        try:
+            self.checkpointer.close()
+        finally:
+            self._take_down()
+
+    def _take_down(self) -> None:
         if self.optimizer is not None:
             self.optimizer.background.close()
         self.fetcher.release_all()

@@ -14,6 +14,10 @@ These are the tensors `engine.sharded_bytes()` reports once the optimizer has st
 while gradients are held. On top of them come the working set (the gathered fetch units,
 reported as `gathered_unit`: the largest unit, in the compute dtype, held whole while it
 runs, twice with prefetch) and activations, which depend on the batch and are not counted.
+With checkpoint.async_save, `checkpoint_snapshot` is the host buffer an asynchronous save
+copies a rank's shards, masters and optimizer state into (checkpoint/snapshot.py), held
+from the first save on (pinned on a GPU machine; a save inside an accumulation window
+also holds the gradient shards); it is counted in `host_total`.
 
 The model is an nn.Module (a model built on the meta device costs nothing), a Hugging
 Face config (built on the meta device; needs the `hf` extra), or a parameter count.
@@ -48,6 +52,7 @@ class MemoryEstimate:
     device: dict[str, int] = field(default_factory=dict)
     host: dict[str, int] = field(default_factory=dict)
     gathered_unit: int | None = None  # bytes of the largest fetch unit gathered (None: unknown)
+    checkpoint_snapshot: int = 0  # host bytes of the asynchronous save's buffer (0: saves are synchronous)
 
     def by_category(self) -> dict[str, int]:
         return {k: self.device.get(k, 0) + self.host.get(k, 0) for k in CATEGORIES}
@@ -58,13 +63,14 @@ class MemoryEstimate:
 
     @property
     def host_total(self) -> int:
-        return sum(self.host.values())
+        return sum(self.host.values()) + self.checkpoint_snapshot
 
     def as_dict(self) -> dict[str, Any]:
         return {"world_size": self.world_size, "dtype": str(self.dtype).replace("torch.", ""),
                 "parameters": self.parameters, "trainable": self.trainable, "resident": self.resident,
                 "device": dict(self.device), "host": dict(self.host), "device_total": self.device_total,
-                "host_total": self.host_total, "gathered_unit": self.gathered_unit}
+                "host_total": self.host_total, "gathered_unit": self.gathered_unit,
+                "checkpoint_snapshot": self.checkpoint_snapshot}
 
 
 @dataclass(frozen=True)
@@ -168,6 +174,7 @@ def _estimate(tensors: list[_Tensor], units: list[int], world: int, parsed: Zero
         world_size=world, dtype=dtype, parameters=sum(t.numel for t in tensors),
         trainable=sum(t.numel for t in train), resident=sum(t.numel for t in resident),
         device=device, host=host, gathered_unit=max(units) * width if units else None,
+        checkpoint_snapshot=param_shards + masters + optim if parsed.checkpoint_async_save else 0,
     )
 
 

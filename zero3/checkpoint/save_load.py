@@ -80,8 +80,9 @@ on N ranks loads on M ranks. RNG states are restored for ranks below N only.
 
 Debugging aid (`ZERO3_CHECKPOINT_PAUSE`): set it to a phase of `PAUSE_PHASES`, optionally
 `<phase>@<rank>`, and a save freezes at that point (logging it, and writing its pid to
-`ZERO3_CHECKPOINT_PAUSE_MARKER` if set) until the process is killed: a way to look at a
-half-written checkpoint, and what the fault-injection tests SIGKILL.
+`ZERO3_CHECKPOINT_PAUSE_MARKER` if set) until the process is killed, or for
+`ZERO3_CHECKPOINT_PAUSE_SECONDS` if set: a way to look at a half-written checkpoint, what
+the fault-injection tests SIGKILL, and (bounded) how they hold an asynchronous save in flight.
 """
 
 from __future__ import annotations
@@ -138,6 +139,7 @@ logger = logging.getLogger("zero3")
 
 PAUSE_ENV = "ZERO3_CHECKPOINT_PAUSE"
 PAUSE_MARKER_ENV = "ZERO3_CHECKPOINT_PAUSE_MARKER"
+PAUSE_SECONDS_ENV = "ZERO3_CHECKPOINT_PAUSE_SECONDS"
 PAUSE_PHASES = {
     "shard-partial": "a rank's shard file is half written (header and first tensor)",
     "shards-written": "rank 0, after every rank committed its files, before the manifest",
@@ -186,7 +188,8 @@ def _pickled(obj: Any) -> bytes:
 
 # ------------------------------------------------------------ debugging aid
 def pause_point(phase: str, rank: int) -> None:
-    """Freeze here if ZERO3_CHECKPOINT_PAUSE asks for `phase` (on this rank), until killed."""
+    """Freeze here if ZERO3_CHECKPOINT_PAUSE asks for `phase` (on this rank): until killed,
+    or for ZERO3_CHECKPOINT_PAUSE_SECONDS seconds when that is set (then the save goes on)."""
     wanted = os.environ.get(PAUSE_ENV)
     if not wanted:
         return
@@ -194,12 +197,17 @@ def pause_point(phase: str, rank: int) -> None:
     if name != phase or (only_rank and int(only_rank) != rank):
         return
     marker = os.environ.get(PAUSE_MARKER_ENV)
+    seconds = os.environ.get(PAUSE_SECONDS_ENV)
+    until = f"for {seconds} s" if seconds else "until the process is killed"
     message = (f"zero3: checkpoint save paused at {phase!r} ({PAUSE_PHASES[phase]}) on rank {rank}, "
-               f"pid {os.getpid()}, because {PAUSE_ENV}={wanted}; kill the process to continue")
+               f"pid {os.getpid()}, because {PAUSE_ENV}={wanted}, {until}")
     logger.warning(message)
     print(message, file=sys.stderr, flush=True)
     if marker:
         _write_bytes_atomically(Path(marker), str(os.getpid()).encode())
+    if seconds:
+        time.sleep(float(seconds))
+        return
     while True:
         time.sleep(1)
 
@@ -214,6 +222,10 @@ def _check_pause_setting() -> None:
             f"{PAUSE_ENV}={wanted!r} is not '<phase>' or '<phase>@<rank>' with a phase of "
             f"{sorted(PAUSE_PHASES)}; unset it to save normally"
         )
+    seconds = os.environ.get(PAUSE_SECONDS_ENV)
+    if seconds and not seconds.replace(".", "", 1).isdigit():
+        raise CheckpointError(f"{PAUSE_SECONDS_ENV}={seconds!r} is not a number of seconds; unset it to pause "
+                              "until the process is killed")
 
 
 # ----------------------------------------------------------------------- save
@@ -384,31 +396,96 @@ def _prepare_folder(folder: Path) -> None:
     fsync_dir(folder)
 
 
-def _write_rank_files(state: TrainingState, folder: Path, client_state: dict,
-                      exclude_frozen: bool) -> tuple[dict[str, Any], dict]:
-    """This rank's shard file, RNG file (and common.pt on rank 0): name -> digest."""
-    rank, world = state.model.comm.rank, state.model.comm.world_size
-    written: dict[str, dict[str, Any]] = {}
+@dataclass(frozen=True)
+class SaveTarget:
+    """Where a save goes: `root/tag` is the tag's folder; `write_to` is that folder or, when
+    it holds a committed checkpoint, its staging folder (put in its place at commit)."""
+
+    root: Path
+    tag: str
+    write_to: Path
+
+    @property
+    def folder(self) -> Path:
+        return self.root / self.tag
+
+
+@dataclass(frozen=True, eq=False)
+class RankFiles:
+    """What one rank writes, taken while training is stopped: its shard file's specs and
+    tensors (live or snapshot), its RNG file's bytes and, on rank 0, common.pt's bytes."""
+
+    specs: list[TensorSpec]
+    tensors: list[Callable[[], torch.Tensor]]
+    kinds: dict
+    rng_data: bytes
+    common_data: bytes | None
+
+
+def rank_files(state: TrainingState, client_state: dict, exclude_frozen: bool) -> RankFiles:
+    """This rank's files as of now (the tensors still the engine's own; the bytes copies)."""
+    rank = state.model.comm.rank
     specs, producers, kinds = _rank_tensors(state.model, state.optimizer, exclude_frozen)
-    values = (producer() for producer in producers)
-    shard_path = folder / shard_file(rank, world)
-    written[shard_path.name] = write_safetensors(
-        shard_path, specs, values, metadata={"format": "zero3", "rank": str(rank), "world_size": str(world)},
-        after_first=lambda: pause_point("shard-partial", rank))
-    rng_path = folder / state_file(rank, world)
-    written[rng_path.name] = _write_bytes_atomically(rng_path, _pickled({"rng": _rng_state(), "rank": rank}))
+    rng_data = _pickled({"rng": _rng_state(), "rank": rank})
+    common_data = None
     if rank == 0:
-        data = _pickled(_common_state(state.optimizer, state.lr_scheduler, state.counters, state.loss_scaler,
-                                      client_state))
+        common_data = _pickled(_common_state(state.optimizer, state.lr_scheduler, state.counters,
+                                             state.loss_scaler, client_state))
         try:
-            torch.load(io.BytesIO(data), weights_only=True)
+            torch.load(io.BytesIO(common_data), weights_only=True)
         except Exception as exc:  # noqa: BLE001 - named and re-raised
             raise CheckpointError(
                 f"the scheduler or optimizer state cannot be saved as plain values ({exc}); "
                 "nothing that needs code to load is written"
             ) from exc
-        written[COMMON] = _write_bytes_atomically(folder / COMMON, data)
-    return written, kinds
+    return RankFiles(specs, producers, kinds, rng_data, common_data)
+
+
+def write_rank_files(files: RankFiles, folder: Path, rank: int, world: int) -> dict[str, Any]:
+    """Step 2 of the commit protocol for one rank: its files, durable; name -> digest."""
+    written: dict[str, dict[str, Any]] = {}
+    values = (producer() for producer in files.tensors)
+    shard_path = folder / shard_file(rank, world)
+    written[shard_path.name] = write_safetensors(
+        shard_path, files.specs, values, metadata={"format": "zero3", "rank": str(rank), "world_size": str(world)},
+        after_first=lambda: pause_point("shard-partial", rank))
+    rng_path = folder / state_file(rank, world)
+    written[rng_path.name] = _write_bytes_atomically(rng_path, files.rng_data)
+    if files.common_data is not None:
+        written[COMMON] = _write_bytes_atomically(folder / COMMON, files.common_data)
+    return written
+
+
+def begin_save(state: TrainingState, save_dir, tag, client_state: dict, tag_validation: str) -> SaveTarget:
+    """Step 1 of the commit protocol (a collective): the arguments checked, the tag agreed
+    on, and the folder this save writes into chosen and emptied by rank 0."""
+    comm = state.model.comm
+    rank = comm.rank
+    on_every_rank(comm, lambda: (_check_pause_setting(), _check_client_state(client_state)), CheckpointError)
+    tag = str(tag) if tag is not None else f"global_step{state.counters.global_steps}"
+    tag = _agree_on_tag(comm, tag, tag_validation)
+    root = Path(save_dir)
+    folder = root / tag
+    chosen = on_every_rank(comm, lambda: str(_folder_to_write(folder)) if rank == 0 else None, CheckpointError)
+    return SaveTarget(root, tag, Path(comm.gather_objects(chosen)[0]))
+
+
+def abandon_save(target: SaveTarget) -> None:
+    """Rank 0, after a failed save: a staging folder goes, the tag keeps its previous save."""
+    if target.write_to != target.folder:
+        shutil.rmtree(target.write_to, ignore_errors=True)
+
+
+def commit_manifest(target: SaveTarget, manifest: dict[str, Any], save_latest: bool) -> None:
+    """Steps 3 and 4 of the commit protocol, on rank 0 once every rank's files are durable:
+    the manifest (with its `files` filled in), the staging folder put in place, `latest`."""
+    pause_point("shards-written", 0)
+    _write_bytes_atomically(target.write_to / MANIFEST, json.dumps(seal(manifest), indent=1).encode())
+    pause_point("manifest-written", 0)
+    if target.write_to != target.folder:
+        put_in_place(target.write_to, target.folder)
+    if save_latest:
+        _write_bytes_atomically(target.root / LATEST, target.tag.encode())
 
 
 def save(state: TrainingState, save_dir, tag, client_state: dict, save_latest: bool, exclude_frozen: bool,
@@ -418,62 +495,63 @@ def save(state: TrainingState, save_dir, tag, client_state: dict, save_latest: b
     `tag_validation` is checkpoint.tag_validation ("WARN", "IGNORE" or "FAIL", see
     `_agree_on_tag`); `write_16bit_model` adds the consolidated compute-dtype weights
     (zero_optimization.gather_16bit_weights_on_model_save)."""
-    model = state.model
-    comm = model.comm
-    rank = comm.rank
-    on_every_rank(comm, lambda: (_check_pause_setting(), _check_client_state(client_state)), CheckpointError)
-    tag = str(tag) if tag is not None else f"global_step{state.counters.global_steps}"
-    tag = _agree_on_tag(comm, tag, tag_validation)
-    root = Path(save_dir)
-    folder = root / tag
-    chosen = on_every_rank(comm, lambda: str(_folder_to_write(folder)) if rank == 0 else None, CheckpointError)
-    write_to = Path(comm.gather_objects(chosen)[0])
+    comm = state.model.comm
+    target = begin_save(state, save_dir, tag, client_state, tag_validation)
     try:
-        _write_and_commit(state, root, tag, write_to, client_state, save_latest, exclude_frozen, write_16bit_model)
+        _write_and_commit(state, target, client_state, save_latest, exclude_frozen, write_16bit_model)
     except CheckpointError:  # raised on every rank alike (on_every_rank), so all of them are here
-        if rank == 0 and write_to != folder:
-            shutil.rmtree(write_to, ignore_errors=True)  # the tag still holds its previous checkpoint, whole
+        if comm.rank == 0:
+            abandon_save(target)  # the tag still holds its previous save, whole
         comm.gather_objects(None)  # no rank returns before the staging folder is gone
         raise
     return True
 
 
-def _write_and_commit(state: TrainingState, root: Path, tag: str, write_to: Path, client_state: dict,
+def write_16bit_file(state: TrainingState, target: SaveTarget, exclude_frozen: bool) -> dict[str, Any] | None:
+    """The consolidated compute-dtype weights into the save (a collective); rank 0's digest."""
+    model = state.model
+    digest = on_every_rank(model.comm, lambda: write_consolidated(
+        model, state.optimizer, target.write_to / MODEL_16BIT, dtype=model.compute_dtype,
+        exclude_frozen=exclude_frozen), CheckpointError)
+    return {MODEL_16BIT: digest} if model.comm.rank == 0 else None
+
+
+def _write_and_commit(state: TrainingState, target: SaveTarget, client_state: dict,
                       save_latest: bool, exclude_frozen: bool, write_16bit_model: bool) -> None:
-    """Steps 2-4 of the commit protocol, into `write_to` (the tag's folder or its staging folder)."""
+    """Steps 2-4 of the commit protocol, into `target.write_to`."""
     model = state.model
     comm = model.comm
     rank = comm.rank
-    written, kinds = on_every_rank(
-        comm, lambda: _write_rank_files(state, write_to, client_state, exclude_frozen), CheckpointError)
+
+    def write() -> tuple[dict[str, Any], dict]:
+        files = rank_files(state, client_state, exclude_frozen)
+        return write_rank_files(files, target.write_to, rank, comm.world_size), files.kinds
+
+    written, kinds = on_every_rank(comm, write, CheckpointError)
     if write_16bit_model:
-        digest = on_every_rank(comm, lambda: write_consolidated(
-            model, state.optimizer, write_to / MODEL_16BIT, dtype=model.compute_dtype, exclude_frozen=exclude_frozen),
-            CheckpointError)
-        if rank == 0:
-            written[MODEL_16BIT] = digest
+        written.update(write_16bit_file(state, target, exclude_frozen) or {})
     all_written = comm.gather_objects(written)
     all_kinds = comm.gather_objects(kinds)
 
     def commit() -> None:
         if rank != 0:
             return
-        pause_point("shards-written", rank)
         files: dict[str, Any] = {}
         for part in all_written:
             files.update(part)
-        manifest = _manifest(model, state.counters, tag, files, _merge_kinds(all_kinds), exclude_frozen)
-        _write_bytes_atomically(write_to / MANIFEST, json.dumps(seal(manifest), indent=1).encode())
-        pause_point("manifest-written", rank)
-        if write_to != root / tag:
-            put_in_place(write_to, root / tag)
-        if save_latest:
-            _write_bytes_atomically(root / LATEST, tag.encode())
+        manifest = checkpoint_manifest(state, target.tag, files, merge_kinds(all_kinds), exclude_frozen)
+        commit_manifest(target, manifest, save_latest)
 
     on_every_rank(comm, commit, CheckpointError)
 
 
-def _merge_kinds(all_kinds: list[dict]) -> dict:
+def checkpoint_manifest(state: TrainingState, tag: str, files: dict, kinds: dict,
+                        exclude_frozen: bool) -> dict[str, Any]:
+    """The manifest of a save of `state` as it is now (`files` may be filled in later)."""
+    return _manifest(state.model, state.counters, tag, files, kinds, exclude_frozen)
+
+
+def merge_kinds(all_kinds: list[dict]) -> dict:
     """Per parameter {"master", "optim"}, which every rank must agree on (it follows from
     the parameter's shard size and the optimizer, both the same on every rank)."""
     merged = all_kinds[0]

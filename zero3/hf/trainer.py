@@ -22,7 +22,10 @@ takes the parts DeepSpeed takes when Transformers runs it through Accelerate:
   through zero3 (reference.py);
 - checkpoints: the engine's checkpoint inside `checkpoint-N/` next to the Trainer's files,
   resumed by `train(resume_from_checkpoint=...)` (checkpoints.py); `save_model()` gathers
-  the 16-bit weights to rank 0, which writes the adapter (PEFT) or the whole model.
+  the 16-bit weights to rank 0, which writes the adapter (PEFT) or the whole model. With
+  checkpoint.async_save the `save_steps` saves are asynchronous: zero3 applies
+  `save_total_limit` itself (never deleting a folder still being written or the last
+  committed one) and `train()` returns once the last save is committed.
 
 The zero3_config is DeepSpeed's JSON with Hugging Face's "auto" values (config_fill.py).
 Options zero3 cannot honour are refused in the constructor (options.py).
@@ -175,6 +178,31 @@ class Zero3TrainerMixin:
         return None if norm is None else float(norm)
 
     # ------------------------------------------------------------------ checkpoints
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """The Trainer's train(); returns once the last checkpoint is committed (an
+        asynchronous save's error is raised here), the save_total_limit applied again."""
+        output = super().train(*args, **kwargs)
+        if self.zero3_engine is not None:
+            self.zero3_engine.wait_for_checkpoint()
+            self._zero3_rotate(self.args.output_dir)
+        return output
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        """The Trainer's checkpoint, with its save_total_limit applied by zero3's rule
+        (checkpoints.rotate_checkpoints) instead of the Trainer's."""
+        limit = self.args.save_total_limit
+        self.args.save_total_limit = None
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self.args.save_total_limit = limit
+        self._zero3_rotate(self._get_output_dir(trial=trial))
+
+    def _zero3_rotate(self, run_dir: str) -> None:
+        if self.args.should_save and self.zero3_engine is not None:
+            checkpoints.rotate_checkpoints(run_dir, self.args.save_total_limit, self.state.best_model_checkpoint,
+                                           self.zero3_engine.checkpointer.in_flight)
+
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         """Nothing before the engine exists: _prepare_for_training loads the checkpoint into it."""
 
