@@ -212,6 +212,7 @@ PUBLIC_PATHS = [
     "zero3.runtime.lr_schedules.WarmupLR", "zero3.runtime.lr_schedules.WARMUP_LR",
     "zero3.runtime.zero.offload_config.OffloadDeviceEnum", "zero3.utils.torch.required_torch_version",
     "zero3.utils.safe_update_full_grad_vectorized",
+    "zero3.runtime.zero.utils.ZeRORuntimeException", "zero3.checkpoint.utils.clone_tensors_for_torch_save",
 ]
 HF_PATHS = ["zero3.hf.Trainer", "zero3.hf.trainer_class", "zero3.hf.ConfigFillError",
             "zero3.hf.UnsupportedOptionError"]

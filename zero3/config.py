@@ -354,9 +354,12 @@ class _Only:
 @dataclass(frozen=True)
 class _Inert:
     """DeepSpeed accepts the key, but it means nothing without a feature zero3 lacks
-    (pipeline or sequence parallelism): any value is accepted with a one-line warning."""
+    (pipeline or sequence parallelism, ZeRO stages 1/2): any value is accepted with a
+    one-line warning, except the values `quiet` accepts (DeepSpeed's default), which
+    change nothing to say."""
 
     why: str
+    quiet: Callable[[Any], bool] | None = None
 
 
 @dataclass(frozen=True)
@@ -444,7 +447,8 @@ def _parse_section(section: _Section, raw: Any) -> dict[str, Any]:
         if isinstance(rule, _Refuse):
             _fail(key, value, f"zero3 does not support this key: {rule.why}", rule.fix)
         if isinstance(rule, _Inert):
-            _warn_inert(key, value, rule.why)
+            if rule.quiet is None or not rule.quiet(value):
+                _warn_inert(key, value, rule.why)
             continue
         if isinstance(rule, _Only):
             if not rule.accepts(value):
@@ -604,16 +608,16 @@ def _str_list(key: str, value: Any) -> tuple[str, ...]:
 # Shared reasons
 # --------------------------------------------------------------------------------------
 
-_STAGE12 = ("DeepSpeed uses it only in ZeRO stage 1/2 and ignores it at stage 3; zero3 implements "
-            "stage 3 only, so other values would have no effect")
+_STAGE12 = "DeepSpeed reads it only at ZeRO stages 1 and 2 and ignores it at stage 3, as zero3 does"
 _REMOVE = "Remove the key."
 _NVME = "NVMe offload is not supported by zero3"
 _REMOVED_UPSTREAM = ("DeepSpeed 0.19.8 itself removed this feature and refuses the key "
                      "(https://github.com/deepspeedai/DeepSpeed/issues/8489)")
 
 
-def _stage12_only(default: Any) -> _Only:
-    return _Only(_is(default), _show(default) + " (DeepSpeed's default)", _STAGE12, _REMOVE)
+def _stage12_only(default: Any, why: str = _STAGE12) -> _Inert:
+    """A key DeepSpeed ignores at stage 3: any value accepted, a warning unless `default`."""
+    return _Inert(why, quiet=_is(default))
 
 
 def _off(default: Any, why: str, fix: str = _REMOVE) -> _Only:
@@ -790,10 +794,8 @@ _ZERO_RULES: dict[str, _Rule] = {
                                      "zero3 never patches F.linear; autograd saves the parameter "
                                      "itself, whose storage is released, so a linear layer never "
                                      "pins a gathered weight", _REMOVE),
-    "ignore_unused_parameters": _Only(_is(True), "true",
-                                      "a parameter no rank used in a window is skipped by the "
-                                      "optimizer step, as in plain PyTorch",
-                                      _REMOVE),
+    "ignore_unused_parameters": _stage12_only(True, _STAGE12 + ": a parameter no rank used in a window "
+                                              "is skipped by the optimizer step, as in plain PyTorch"),
     "compute_grad_norm": _Only(_is(True), "true",
                                "the global gradient norm is always computed at stage 3 (DeepSpeed "
                                "refuses false at stage 3 too)", _REMOVE),
@@ -804,15 +806,14 @@ _ZERO_RULES: dict[str, _Rule] = {
     # stage 1/2 only
     "use_multi_rank_bucket_allreduce": _stage12_only(True),
     "allgather_partitions": _stage12_only(True),
-    "allgather_bucket_size": _Only(_is(500_000_000), "500000000 (DeepSpeed's default)", _STAGE12,
-                                   "Remove the key; at stage 3 the all-gather size is bounded by "
-                                   "stage3_prefetch_bucket_size."),
+    "allgather_bucket_size": _stage12_only(500_000_000, _STAGE12 + " (at stage 3 stage3_prefetch_bucket_size "
+                                           "bounds the all-gathers)"),
     "round_robin_gradients": _stage12_only(False),
     "parameter_alignment": _stage12_only(False),
     "legacy_stage1": _stage12_only(False),
     # not implemented
-    "elastic_checkpoint": _off(False, "DeepSpeed's ZeRO-3 no longer supports elastic checkpoints",
-                               "Remove the key: zero3 checkpoints load on any world size."),
+    "elastic_checkpoint": _Inert("DeepSpeed's ZeRO-3 no longer supports elastic checkpoints and only warns; "
+                                 "zero3 checkpoints load on any world size", quiet=_is(False)),
     "zenflow": _off(None, "ZenFlow is not implemented"),
     "use_all_reduce_for_fetch_params": _off(False, "zero3 fetches with one coalesced all-gather "
                                             "per unit"),
@@ -1506,7 +1507,8 @@ def describe_keys() -> list[tuple[str, str, str, str]]:
                 other = "" if rule.shown == "true or false" else f" Other values: {rule.fix}"
                 rows.append((section, key, "accepted: " + rule.shown, f"{rule.why}.{other}"))
             elif isinstance(rule, _Inert):
-                rows.append((section, key, "accepted, no effect (a warning)", f"{rule.why}."))
+                when = " unless DeepSpeed's default" if rule.quiet is not None else ""
+                rows.append((section, key, f"accepted, no effect (a warning{when})", f"{rule.why}."))
             else:
                 rows.append((section, key, "refused", f"{rule.why}. {rule.fix}"))
     return rows

@@ -420,10 +420,31 @@ def test_keys_meaningless_without_pipeline_or_sequence_parallelism_warn(prefix, 
         assert len(lines) == 1 and f"{prefix}{key}=" in lines[0] and "no effect" in lines[0], lines
 
 
+# Keys DeepSpeed reads only at stages 1/2 (or, for elastic_checkpoint, only warns about at
+# stage 3): DeepSpeed's default passes in silence, any other value with one warning.
+DEFAULT_QUIET = {"use_multi_rank_bucket_allreduce": True, "allgather_partitions": True,
+                 "allgather_bucket_size": 500_000_000, "round_robin_gradients": False,
+                 "parameter_alignment": False, "legacy_stage1": False, "ignore_unused_parameters": True,
+                 "elastic_checkpoint": False}
+
+
+@pytest.mark.parametrize("key", sorted(DEFAULT_QUIET))
+def test_keys_deepspeed_ignores_at_stage_3_are_accepted(key, caplog):
+    default = DEFAULT_QUIET[key]
+    other = (not default) if isinstance(default, bool) else 200_000_000
+    for value, warnings in ((default, 0), (other, 1)):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="zero3"):
+            from_deepspeed({"train_batch_size": 2, "zero_optimization": {"stage": 3, key: value}}, 2)
+        lines = [r.getMessage() for r in caplog.records]
+        assert len(lines) == warnings, (value, lines)
+        assert all(f"zero_optimization.{key}=" in line and "no effect" in line for line in lines)
+
+
 def test_every_inert_rule_is_listed():
     rules = [cfg._TOP_RULES, cfg._ZERO_RULES, cfg._CHECKPOINT_RULES]
     inert = {k for rules_ in rules for k, r in rules_.items() if isinstance(r, cfg._Inert)}
-    assert inert == {key for _, _, key in INERT}
+    assert inert == {key for _, _, key in INERT} | set(DEFAULT_QUIET)
 
 
 @pytest.mark.parametrize("value, expected", [(True, True), (False, False), (1, True), (0, False),

@@ -293,6 +293,26 @@ def resolve_scheduler(config: Zero3Config, lr_scheduler: Any, optimizer: Sharded
     return client_or_config(lr_scheduler, spec, _is_scheduler_factory, build_scheduler, client_optimizer)
 
 
+def refuse_scheduler_of_another_optimizer(lr_scheduler: Any, optimizer: Any) -> None:
+    """A scheduler instance must drive the optimizer the engine will step (the client's
+    instance `optimizer`), or its learning rates would never reach training. DeepSpeed asserts
+    this where the optimizer is built from the config or by a factory. Called before anything
+    is sharded, so the refusal leaves the model as it was."""
+    scheduled = getattr(lr_scheduler, "optimizer", None)
+    if lr_scheduler is None or _is_scheduler_factory(lr_scheduler) or scheduled is None:
+        return
+    stepped = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
+    if scheduled is not stepped:
+        steps = "one built from the config or a factory" if stepped is None else f"another {type(stepped).__name__}"
+        raise EngineUsageError(
+            f"initialize(lr_scheduler=...): the {type(lr_scheduler).__name__} was built on a "
+            f"{type(scheduled).__name__} that the engine does not step (it steps "
+            f"{steps}), "
+            "so its learning rates would never be used; pass the optimizer the scheduler was built on as "
+            "optimizer=, or pass a factory (lr_scheduler=lambda optimizer: ...) that builds it on the engine's"
+        )
+
+
 def _is_scheduler_factory(value: Any) -> bool:
     return callable(value) and not hasattr(value, "step")
 

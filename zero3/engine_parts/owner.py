@@ -22,6 +22,7 @@ from torch import nn
 from zero3.engine_parts.views import OptimizerAccess, ShardedModel
 from zero3.params import ownership
 from zero3.params.fetch import Fetcher
+from zero3.params.partition import ShardedParam
 
 
 @dataclass(frozen=True, eq=False)
@@ -38,6 +39,11 @@ class ParamOwner:
     fetcher: Fetcher
     flush_gradients: Callable[[], None]
     master_device: torch.device
+
+    def sharded(self, param: nn.Parameter) -> ShardedParam:
+        """The engine's record of `param` (its shard and gather state); what
+        `zero3.params.ownership` asks an owner for."""
+        return self.model.table[param]
 
 
 def register(owner: ParamOwner) -> None:

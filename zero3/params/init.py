@@ -33,7 +33,6 @@ from __future__ import annotations
 import contextlib
 import json
 import weakref
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +43,13 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 from torch.utils.weak import WeakIdKeyDictionary
 
+from zero3.params.init_shards import (  # noqa: F401 - init_shard_of, claim_init_shard: this module's API
+    INIT_SHARDS,
+    InitShard,
+    claim_init_shard,
+    init_shard_of,
+    record_init_shard,
+)
 from zero3.params.released import (
     METADATA_METHODS,
     VIEW_ATTRIBUTES,
@@ -58,6 +64,7 @@ from zero3.params.released import (
     seal,
 )
 from zero3.params.shard_layout import owned_range, shard_numel_for
+from zero3.params.status import mark_zero_parameter
 from zero3.params.wire import gather_rows
 from zero3.platform.collectives import Communicator
 from zero3.platform.device import get_accelerator
@@ -65,37 +72,6 @@ from zero3.platform.device import get_accelerator
 
 class InitError(RuntimeError):
     """zero3.Init was given something it cannot do."""
-
-
-@dataclass
-class InitShard:
-    """One parameter partitioned at construction: this rank's flat slice of its values.
-
-    `shard` holds elements [rank * shard_numel, (rank + 1) * shard_numel) of the
-    flattened parameter, zero past `numel` (padding), in the parameter's dtype.
-    """
-
-    shard: torch.Tensor
-    numel: int
-    world_size: int
-    rank: int
-
-    @property
-    def shard_numel(self) -> int:
-        return self.shard.numel()
-
-
-_registry: WeakIdKeyDictionary = WeakIdKeyDictionary()  # nn.Parameter -> InitShard
-
-
-def init_shard_of(param: torch.Tensor) -> InitShard | None:
-    """The shard of a parameter partitioned by zero3.Init and not yet adopted, else None."""
-    return _registry.get(param)
-
-
-def claim_init_shard(param: torch.Tensor) -> InitShard | None:
-    """Hand the shard of `param` over to its new owner (the engine); None if not partitioned."""
-    return _registry.pop(param, None)
 
 
 # Calls that write every value of their first argument without reading it: a partitioned
@@ -156,7 +132,7 @@ def _refuse_partitioned_forward(module: nn.Module, args: tuple) -> None:
     if Init._active is not None:
         return
     for name, param in module._parameters.items():
-        if param is not None and param in _registry and is_released(param):
+        if param is not None and param in INIT_SHARDS and is_released(param):
             raise ReleasedParameterError(
                 f"forward of {type(module).__name__} outside zero3.Init and before zero3.initialize: its "
                 f"{describe(param, name)} is partitioned (this rank holds a shard only). Pass the model to "
@@ -176,7 +152,7 @@ class _MaterializeOnUse(TorchFunctionMode):
         kwargs = kwargs or {}
         if not self.init.busy and _touches_values(func):
             tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-            touched = [t for t in tensors if t in _registry]
+            touched = [t for t in tensors if t in INIT_SHARDS]
             if touched and _is_data_assignment(func):
                 self.init.assign_data(args[0], args[1])
                 return None
@@ -299,7 +275,7 @@ class Init:
         """A new parameter: the ones registered before it are partitioned now."""
         self._partition_pending()
         _guard_module(module)
-        if param is not None and param not in _registry:
+        if param is not None and param not in INIT_SHARDS:
             self._pending.append(param)
 
     def _on_module_registered(self, parent: nn.Module, name: str, child: nn.Module | None) -> None:
@@ -332,7 +308,7 @@ class Init:
         A parameter on the meta device has no values yet (Transformers' from_pretrained
         builds the model on meta, then registers each loaded weight as a new parameter,
         which is partitioned then): it is left as it is."""
-        if param in _registry or param.is_meta:
+        if param in INIT_SHARDS or param.is_meta:
             return
         refuse_released(param, "zero3.Init: partitioning a parameter registered in the context",
                         fix="it is sharded by an engine already: build new modules with their own parameters, "
@@ -340,9 +316,10 @@ class Init:
         with self._transition(), torch.no_grad():
             full = self._full_on_compute_device(param)
             self.comm.broadcast(full, src=0)
-            _registry[param] = InitShard(self._slice(full), param.numel(), self.comm.world_size, self.comm.rank)
+            record_init_shard(param, InitShard(self._slice(full), param.numel(), self.comm.world_size, self.comm.rank))
             param.data = full
             release_storage(param)
+            mark_zero_parameter(param)
 
     def assign_data(self, param: nn.Parameter, value: torch.Tensor) -> None:
         """`param.data = value` on a partitioned parameter: `value`'s values are copied into
@@ -382,7 +359,7 @@ class Init:
         for key, param in wanted.items():
             if key in self._materialized:
                 continue
-            record = _registry[param]
+            record = INIT_SHARDS[param]
             restore_storage(param)
             self._materialized[key] = param
             if param is overwritten:
@@ -414,7 +391,7 @@ class Init:
 
     def _settle(self, param: nn.Parameter) -> None:
         """Full -> partitioned again after a call that may have changed it: rank 0's values."""
-        record = _registry[param]
+        record = INIT_SHARDS[param]
         with torch.no_grad():
             full = param.data.contiguous()
             self.comm.broadcast(full, src=0)

@@ -3,7 +3,8 @@
 The parameter layer needs to know only *that* a parameter is managed (a leaf-module
 declaration after initialize is refused, for example); what manages it, and what that
 owner offers, is the engine's business (`zero3.engine_parts.owner`). So this registry
-stores an opaque owner object.
+stores an opaque owner object, which answers one question of this layer:
+`owner.sharded(param)`, its `ShardedParam` (read by `status.py` for `param.ds_status`).
 
 Ownership and lifetime: keys are held weakly (a registered parameter is never kept
 alive by being registered) and so are owners (an engine dropped without `destroy()`
