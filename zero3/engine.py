@@ -364,17 +364,6 @@ class Engine(EngineSurface, nn.Module):
         logger.info(message)
         print(message, flush=True)
 
-    @property
-    def loss_scale(self) -> float:
-        return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
-
-    def loss_scaler_state(self) -> dict | None:
-        return self.loss_scaler.state_dict() if self.loss_scaler is not None else None
-
-    def load_loss_scaler_state(self, state: dict) -> None:
-        if self.loss_scaler is not None:
-            self.loss_scaler.load_state_dict(state)
-
     def _refresh_resident(self) -> None:
         """Resident parameters get their new values from every rank's updated shard."""
         resident = [sp for sp in self.optimizer.params if sp.persistent and sp.numel and not sp.aliased]
@@ -400,14 +389,6 @@ class Engine(EngineSurface, nn.Module):
         finally:
             self.reducer.end_coalescing()
 
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Refused, as in DeepSpeed at stage 3: gradients are partitioned as they are made."""
-        raise EngineError("no_sync() is incompatible with ZeRO stage 3, whose gradients are reduce-scattered "
-                          "into shards during backward (DeepSpeed refuses it too); use "
-                          "engine.coalesce_grad_reduction() to reduce once for several backwards")
-        yield  # pragma: no cover - a generator for the context manager protocol
-
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop accumulated gradients (the optimizer step does this by itself)."""
         self._settle()
@@ -422,20 +403,6 @@ class Engine(EngineSurface, nn.Module):
         collectives; sharded again on exit (zero3/engine_parts/generation.py)."""
         self._check_alive()
         return generation.gathered_model(self.sharded_model, self.fetcher, self.units, eval_mode)
-
-    # --------------------------------------------------------------- queries
-    def comm_stats(self) -> dict[str, tuple[int, int]]:
-        """op name -> (calls, bytes), cumulative since initialize."""
-        return self.comm.counters.snapshot()
-
-    @property
-    def late_gathers(self) -> int:
-        """Gathers the backward safety net had to make (zero on ordinary models)."""
-        return self.fetcher.late_gathers
-
-    def sharded_bytes(self) -> dict[str, int]:
-        """Bytes this rank holds for parameters, gradients and optimizer state."""
-        return export.held_bytes(self.sharded_model, self.optimizer_access, self.reducer.sink)
 
     # ------------------------------------------------------------ checkpoints
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True,

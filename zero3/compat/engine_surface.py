@@ -3,22 +3,25 @@
 `EngineSurface` is a mixin of `Engine` (engine.py keeps the training path): the model
 pass-through DeepSpeed's engine gives (`engine.id` reads `engine.module.id`), the state
 dict of the whole model, DeepSpeed's config queries and the optimizer queries that
-Accelerate and the Hugging Face Trainer call by name. Nothing here owns state: every
+Accelerate and the Hugging Face Trainer call by name, the loss scale, `no_sync`'s
+refusal, and the engine's counters (collectives, late gathers, bytes held). Nothing here owns state: every
 method reads or writes the engine's collaborators (`module`, `config`, `optimizer`,
 `comm`, `table`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
-from zero3.checkpoint.export import consolidate
+from zero3.checkpoint.export import consolidate, held_bytes
 from zero3.compat import param_access
+from zero3.engine_parts.build import EngineError
 from zero3.params.compiled import CompileError, CompileRequest, compiler_for
 from zero3.platform.device import get_accelerator
 
@@ -209,3 +212,36 @@ class EngineSurface:
     @property
     def dp_world_size(self) -> int:
         return self.comm.world_size
+
+    @property
+    def loss_scale(self) -> float:
+        return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+
+    def loss_scaler_state(self) -> dict | None:
+        return self.loss_scaler.state_dict() if self.loss_scaler is not None else None
+
+    def load_loss_scaler_state(self, state: dict) -> None:
+        if self.loss_scaler is not None:
+            self.loss_scaler.load_state_dict(state)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Refused, as in DeepSpeed at stage 3: gradients are partitioned as they are made."""
+        raise EngineError("no_sync() is incompatible with ZeRO stage 3, whose gradients are reduce-scattered "
+                          "into shards during backward (DeepSpeed refuses it too); use "
+                          "engine.coalesce_grad_reduction() to reduce once for several backwards")
+        yield  # pragma: no cover - a generator for the context manager protocol
+
+    # ------------------------------------------------------- loss scale, queries
+    def comm_stats(self) -> dict[str, tuple[int, int]]:
+        """op name -> (calls, bytes), cumulative since initialize."""
+        return self.comm.counters.snapshot()
+
+    @property
+    def late_gathers(self) -> int:
+        """Gathers the backward safety net had to make (zero on ordinary models)."""
+        return self.fetcher.late_gathers
+
+    def sharded_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds for parameters, gradients and optimizer state."""
+        return held_bytes(self.sharded_model, self.optimizer_access, self.reducer.sink)
