@@ -125,6 +125,9 @@ def run_mode(engine, options: argparse.Namespace, mode: str, rank: int, world: i
             synchronize(options.device)
             saves.append(time.perf_counter() - start)
             writing = mode == "async"
+            if rank == 0:  # progress, so a run cut short still tells what it measured
+                print(f"# {mode} save {len(saves)} at step {step}: blocked {saves[-1] * 1e3:.0f} ms; "
+                      f"last step {elapsed * 1e3:.0f} ms", flush=True)
     start = time.perf_counter()
     engine.wait_for_checkpoint()
     final_wait = time.perf_counter() - start

@@ -48,7 +48,12 @@ def _child(fn: Callable, rank: int, world_size: int, port: int, args: tuple, res
 
         torch.set_num_threads(1)
         if DEVICE == "cuda":
-            torch.cuda.set_device(rank % torch.cuda.device_count())  # ranks may share one GPU (gloo)
+            gpus = torch.cuda.device_count()
+            if gpus < world_size:
+                # Ranks share the GPUs (gloo): each presents itself as local rank r % gpus, since
+                # Accelerate binds LOCAL_RANK to a device (its barrier names device LOCAL_RANK).
+                os.environ["LOCAL_RANK"] = str(rank % gpus)
+            torch.cuda.set_device(rank % gpus)
         dist.init_process_group(BACKEND, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=collective_timeout))
         value = fn(rank, world_size, *args)
