@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import run_ranks
+from harness import DEVICE, run_ranks
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "deepspeed"
 sys.path.insert(0, str(FIXTURES))
@@ -68,6 +68,7 @@ def _state_problems(engine, expected: dict) -> list[str]:
     problems = []
 
     def same(what: str, got: torch.Tensor, want: torch.Tensor) -> None:
+        got = got.cpu()  # loaded on the engine's device (ZERO3_TEST_DEVICE=cuda: a GPU)
         if not torch.equal(got.reshape(want.shape).to(want.dtype), want):
             diff = (got.reshape(want.shape).double() - want.double()).abs().max().item()
             problems.append(f"{what}: differs from DeepSpeed's (max abs diff {diff:g})")
@@ -199,12 +200,19 @@ def test_load_every_fixture(world: int, tmp_path: Path):
             continue
         for rank, outcome in enumerate(per_rank):
             assert outcome["problems"] == [], f"{job[1]} from {job[2]}, rank {rank} of {world}: {outcome['problems']}"
+            fp32 = M.FIXTURES[job[1]].dtype == "fp32"
             if outcome["ds_losses"] is not None:
-                assert outcome["losses"] == outcome["ds_losses"], (job, rank)
+                if DEVICE == "cpu":  # DeepSpeed's numbers were computed on the CPU, as here
+                    assert outcome["losses"] == outcome["ds_losses"], (job, rank)
+                else:  # the loaded state is compared bit for bit above; a GPU's kernels round otherwise
+                    worst = max(abs(a - b) / abs(b) for a, b in zip(outcome["losses"], outcome["ds_losses"]))
+                    assert worst <= (1e-5 if fp32 else 1e-2), (job, rank, worst)
             if "max_master_diff" in outcome and rank == 0:
                 print(f"{job[1]} ({job[2]}) on {world} ranks: masters after one more step within "
                       f"{outcome['max_master_diff']:.1e} of DeepSpeed's")
-                tolerance = 1e-6 if M.FIXTURES[job[1]].dtype == "fp32" else 1e-4  # reduction order
+                tolerance = 1e-6 if fp32 else 1e-4  # reduction order
+                if DEVICE != "cpu":
+                    tolerance *= 10
                 assert outcome["max_master_diff"] <= tolerance, (job, outcome["max_master_diff"])
 
 

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The GPU runs of the compile, asynchronous-save and sharded-Hugging-Face work, in stages
+# (each stage's log under $OUT). DeepSpeed 0.19.8 (built with DS_BUILD_OPS=0) and what it
+# lacks come from wheels in build/wheels; the Hugging Face extras from .whl.
+#   STAGE=hf,async,ds_compile_1b,compile_7b_lora
+set -u
+out=${OUT:-bench/out}
+mkdir -p "$out"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+if ls build/wheels/deepspeed-*.whl >/dev/null 2>&1; then
+    DS_BUILD_OPS=0 python3 -m pip install -q --no-index --find-links build/wheels deepspeed==0.19.8 2>&1 | tail -2
+fi
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --find-links .whl --no-deps --no-compile --target /tmp/site \
+        trl datasets dill multiprocess 2>&1 | grep -v "WARNING: Target" | tail -2
+    export PYTHONPATH=/tmp/site:$PWD
+fi
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+stage=${STAGE:-hf,async,ds_compile_1b}
+llama_1b="--model llama --width 2048 --layers 16 --intermediate 5632 --heads 16 --vocab 32000 --seq 2048"
+if [[ $stage == *hf* ]]; then
+    ZERO3_TEST_DEVICE=cuda ZERO3_TEST_BACKEND=gloo HF_HUB_OFFLINE=1 timeout ${HF_TIMEOUT:-200} \
+        python3 -m pytest -q -p no:cacheprovider tests/hf/test_hf_trainer.py tests/hf/test_hf_deepspeed_resume.py \
+        "tests/checkpoint/test_deepspeed_import.py::test_load_every_fixture[2]" \
+        > "$out/hf_cuda_w2.log" 2>&1
+    echo "== hf on CUDA, 2 ranks over gloo on one GPU (exit $?)"; tail -4 "$out/hf_cuda_w2.log"
+fi
+if [[ $stage == *async* ]]; then
+    timeout ${ASYNC_TIMEOUT:-200} torchrun --standalone --nproc_per_node=1 bench/async_save_bench.py --device cuda \
+        --dtype bf16 --hidden 2048 --layers 16 --intermediate 5632 --heads 16 --vocab 32000 --seq 2048 \
+        --micro-batch 2 --steps ${ASYNC_STEPS:-12} --save-every 4 --dir /tmp/async_save_bench 2>&1 \
+        | grep -v Warning | tee "$out/async_save_1b.log" | tail -30
+    rm -rf /tmp/async_save_bench
+fi
+if [[ $stage == *ds_compile_1b* ]]; then
+    (cd bench && timeout ${DS_TIMEOUT:-200} torchrun --standalone --nproc_per_node=1 compile_bench.py --device cuda \
+        --dtype bf16 $llama_1b --micro-batch 2 --steps 6 --warmup 3 --rounds 1 \
+        --peers deepspeed_compiled,zero3_compiled 2>&1 | grep -v "Warning\|warn(" | tee "$out/compile_1b_deepspeed.log" | tail -14)
+fi
+if [[ $stage == *compile_7b_lora* ]]; then
+    (cd bench && timeout ${LORA_TIMEOUT:-400} torchrun --standalone --nproc_per_node=1 compile_bench.py --device cuda \
+        --dtype bf16 --model llama --width 4096 --layers 32 --intermediate 11008 --heads 32 --vocab 32000 --seq 2048 \
+        --micro-batch 1 --steps 4 --warmup 3 --rounds 1 --lora 16 --peers ${LORA_PEERS:-plain_compiled,fsdp2_compiled,zero3_compiled,zero3} \
+        2>&1 | grep -v "Warning\|warn(" | tee "$out/compile_7b_lora.log" | tail -14)
+fi
