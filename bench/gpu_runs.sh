@@ -26,9 +26,9 @@ if [[ $stage == *hf* ]]; then
     echo "== hf on CUDA, 2 ranks over gloo on one GPU (exit $?)"; tail -4 "$out/hf_cuda_w2.log"
 fi
 if [[ $stage == *async* ]]; then
-    timeout ${ASYNC_TIMEOUT:-200} torchrun --standalone --nproc_per_node=1 bench/async_save_bench.py --device cuda \
+    timeout ${ASYNC_TIMEOUT:-420} torchrun --standalone --nproc_per_node=1 bench/async_save_bench.py --device cuda \
         --dtype bf16 --hidden 2048 --layers 16 --intermediate 5632 --heads 16 --vocab 32000 --seq 2048 \
-        --micro-batch 2 --steps ${ASYNC_STEPS:-12} --save-every 4 --dir /tmp/async_save_bench 2>&1 \
+        --micro-batch 2 --steps ${ASYNC_STEPS:-8} --save-every 4 --dir /tmp/async_save_bench 2>&1 \
         | grep -v Warning | tee "$out/async_save_1b.log" | tail -30
     rm -rf /tmp/async_save_bench
 fi
