@@ -54,7 +54,7 @@ from zero3.optim.masters import settle
 from zero3.params.compiled import CompiledUnits, take_requests
 from zero3.params.late_params import LateParameters
 from zero3.params.partition import ParamState
-from zero3.params.units import build_units
+from zero3.params.units import build_units, declare_config_leaves
 from zero3.params.wire import gather_rows, group_by_dtype
 from zero3.platform.collectives import Communicator
 from zero3.platform.device import get_accelerator
@@ -110,6 +110,7 @@ class Engine(EngineSurface, nn.Module):
         self.param_names = {sp.param: sp.name for sp in self.table.values()}
         self.units = build_units(self.module, self.table, config.zero.module_granularity_threshold,
                                  leaf_module=config.zero.leaf_module)
+        declare_config_leaves(self.module, config.zero.leaf_module)
         self.master_device = (
             torch.device("cpu") if config.zero.offload_optimizer.device == "cpu" else self.device
         )

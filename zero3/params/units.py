@@ -177,6 +177,13 @@ def _by_suffix(model: nn.Module, suffixes: Sequence[str]) -> tuple[list[nn.Modul
     return list(found.values()), missing
 
 
+def declare_config_leaves(root: nn.Module, leaf_config) -> None:
+    """At initialize: the config's leaf modules are declared as set_z3_leaf_modules declares
+    them, so z3_leaf_module reports them (as DeepSpeed's initialize does). build_units itself
+    leaves the model unmarked."""
+    _mark(config_leaves(root, leaf_config), True)
+
+
 def config_leaves(root: nn.Module, leaf_config) -> list[nn.Module]:
     """Modules selected by the config's `zero_optimization.leaf_module` (a LeafModuleConfig).
 
@@ -305,7 +312,7 @@ def build_units(
     None. Leaves come from set_z3_leaf_modules, from it, and from the threshold.
     """
     leaves = {id(m) for m in get_z3_leaf_modules(root)}
-    leaves |= {id(m) for m in _mark(config_leaves(root, leaf_module), True)}  # z3_leaf_module reports them too
+    leaves |= {id(m) for m in config_leaves(root, leaf_module)}
     leaves |= {id(m) for m in threshold_leaves(root, granularity_threshold)}
     if not leaves:
         leaves = {id(m) for m in block_leaves(root)}
