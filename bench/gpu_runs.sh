@@ -6,15 +6,11 @@
 set -u
 out=${OUT:-bench/out}
 mkdir -p "$out"
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 if ls build/wheels/deepspeed-*.whl >/dev/null 2>&1; then
     DS_BUILD_OPS=0 python3 -m pip install -q --no-index --find-links build/wheels deepspeed==0.19.8 2>&1 | tail -2
 fi
-if ls .whl/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --find-links .whl --no-deps --no-compile --target /tmp/site \
-        trl datasets dill multiprocess 2>&1 | grep -v "WARNING: Target" | tail -2
-    export PYTHONPATH=/tmp/site:$PWD
-fi
+source bench/carried_wheels.sh
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 stage=${STAGE:-hf,async,ds_compile_1b}
 llama_1b="--model llama --width 2048 --layers 16 --intermediate 5632 --heads 16 --vocab 32000 --seq 2048"

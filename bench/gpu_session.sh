@@ -7,23 +7,7 @@
 set -u
 out=${OUT:-bench/out}
 mkdir -p "$out"
-if ls .whl/*.whl >/dev/null 2>&1; then
-    # By project name, so pip picks the wheel that fits this interpreter (several may be
-    # carried); a project the machine has already is kept as it is.
-    projects=$(ls .whl/*.whl | xargs -n1 basename | cut -d- -f1 | sort -u | python3 -c '
-import importlib.metadata as metadata, sys
-for name in sys.stdin.read().split():
-    try:
-        metadata.version(name)
-    except metadata.PackageNotFoundError:
-        print(name)')
-    echo "installing from .whl: $projects"
-    [ -n "$projects" ] && python3 -m pip install -q --no-index --find-links .whl --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site $projects 2>&1 | grep -v "WARNING: Target directory" | tail -3
-    export PYTHONPATH=/tmp/site:${ZERO3_TREE:-$PWD}
-else
-    export PYTHONPATH=${ZERO3_TREE:-$PWD}
-fi
+source bench/carried_wheels.sh
 python3 - <<'PY'
 import importlib
 for name in ["torch", "transformers", "peft", "trl", "accelerate", "datasets", "pyarrow", "deepspeed"]:

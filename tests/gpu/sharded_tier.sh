@@ -10,21 +10,7 @@
 set -u
 out=${OUT:-/tmp/sharded_tier}
 mkdir -p "$out"
-if ls .whl/*.whl >/dev/null 2>&1; then
-    projects=$(ls .whl/*.whl | xargs -n1 basename | cut -d- -f1 | sort -u | python3 -c '
-import importlib.metadata as metadata, sys
-for name in sys.stdin.read().split():
-    try:
-        metadata.version(name)
-    except metadata.PackageNotFoundError:
-        print(name)')
-    echo "installing from .whl: $projects"
-    [ -n "$projects" ] && python3 -m pip install -q --no-index --find-links .whl --no-deps --no-compile \
-        --no-cache-dir --upgrade --target /tmp/site $projects 2>&1 | grep -v "WARNING: Target directory" | tail -3
-    export PYTHONPATH=/tmp/site:$PWD
-else
-    export PYTHONPATH=$PWD
-fi
+source bench/carried_wheels.sh
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=2 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
