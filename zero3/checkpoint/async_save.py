@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import queue
 import sys
 import threading
@@ -190,8 +191,14 @@ class AsyncCheckpointer:
                         "pinned" if self.snapshot.pinned else "pageable")
 
 
+WRITER_NICENESS = 10  # below training's threads (and an overlapped host optimizer step) for the CPU
+
+
 def _writer(jobs: "queue.SimpleQueue[_Job | None]") -> None:
-    """The writer thread's loop: one job at a time, until None."""
+    """The writer thread's loop: one job at a time, until None. Where the OS allows it, the
+    thread runs at a lower CPU priority than training (Linux keeps a niceness per thread),
+    so the hashing and copying in the background yield the cores to the step."""
+    _lower_own_priority(WRITER_NICENESS)
     while (job := jobs.get()) is not None:
         _write_and_commit(job)
 
@@ -267,3 +274,13 @@ def _wait_at_exit() -> None:
             message = f"zero3: at exit, rank {checkpointer.rank}: {exc}"
             logger.error(message)
             print(message, file=sys.stderr, flush=True)
+
+
+def _lower_own_priority(increment: int) -> None:
+    """Raise the calling thread's niceness by `increment` (Linux: per thread); elsewhere, or
+    when refused, leave it: the save is correct either way, only less polite."""
+    try:
+        thread_id = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, thread_id, os.getpriority(os.PRIO_PROCESS, thread_id) + increment)
+    except (AttributeError, OSError):
+        pass
