@@ -373,3 +373,16 @@ def test_full_disk_during_the_background_write(tmpfs):
         assert "big" in message and "No space left" in message and "common.pt.tmp" in message, message
         assert out["tmp_left"] == [] and out["latest"] == "good"
         assert out["load"] == str(tmpfs / "good") and out["exact_good"]
+
+
+# ------------------------------------------------------------ how long writers wait
+def _report_timeouts(rank: int, world: int) -> float:
+    from zero3.checkpoint.async_save import report_timeout
+
+    return report_timeout()
+
+
+def test_writers_wait_no_longer_than_the_process_group():
+    """A writer waiting for a rank that died gives up when a collective would: after the
+    process group's timeout (here 8 s), not the 30 minutes of a default collective."""
+    assert run_ranks(_report_timeouts, 2, collective_timeout=8.0) == [8.0, 8.0]

@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from zero3.checkpoint.arrival import default_store
+from zero3.checkpoint.arrival import default_store, process_group_timeout
 from zero3.checkpoint.errors import CheckpointError
 from zero3.checkpoint.export import on_every_rank
 from zero3.checkpoint.save_load import (
@@ -69,8 +69,16 @@ from zero3.checkpoint.write_board import WriteBoard
 
 logger = logging.getLogger("zero3")
 
-# How long a writer waits for the other ranks' reports: what a collective waits by default.
+# How long a writer waits for the other ranks' reports: what a collective waits by default,
+# or the process group's own timeout where that is shorter (a synchronous save's collective
+# after the writes waits no longer either).
 REPORT_TIMEOUT = timedelta(minutes=30).total_seconds()
+
+
+def report_timeout() -> float:
+    """Seconds a writer waits for the other ranks' reports (see REPORT_TIMEOUT)."""
+    group = process_group_timeout()
+    return min(REPORT_TIMEOUT, group) if group is not None else REPORT_TIMEOUT
 
 
 @dataclass(eq=False)
@@ -170,7 +178,7 @@ class AsyncCheckpointer:
             CheckpointError)
         board = None
         if comm.world_size > 1:
-            board = WriteBoard(default_store(), comm.rank, comm.world_size, REPORT_TIMEOUT)
+            board = WriteBoard(default_store(), comm.rank, comm.world_size, report_timeout())
         return _Job(target, files, manifest, extra, save_latest, comm.rank, comm.world_size, board)
 
     def _start(self, job: _Job) -> None:
