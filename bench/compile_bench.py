@@ -83,20 +83,11 @@ def build_plain_compiled(ctx):
 
 def build_fsdp2_compiled(ctx):
     """torchtitan's recipe: each block compiled in place, then sharded per block and at the root."""
-    import torch
     from models import build_model
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     model = build_model(ctx.args).to(ctx.device)
     for block in model.blocks():
         block.compile(backend=COMPILE["backend"], **_compile_kwargs())
-    mesh = init_device_mesh(ctx.device.type, (ctx.world,))
-    mp = MixedPrecisionPolicy()
-    if ctx.args.dtype == "bf16":
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for block in model.blocks():
-        fully_shard(block, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
+    cpu_bench.fsdp2_shard(model, ctx)
     opt = _adamw([p for p in model.parameters() if p.requires_grad], ctx)
     return Peer(_train_step(model, opt))
 

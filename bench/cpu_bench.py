@@ -341,12 +341,11 @@ def build_plain(ctx):
     return Peer(step)
 
 
-def build_fsdp2(ctx):
+def fsdp2_shard(model, ctx) -> None:
+    """`fully_shard` on each block, then on the root (bf16: bf16 parameters, fp32 reduction)."""
     import torch
-    from models import build_model
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    model = build_model(ctx.args).to(ctx.device)
     mesh = init_device_mesh(ctx.device.type, (ctx.world,))
     mp = MixedPrecisionPolicy()
     if ctx.args.dtype == "bf16":
@@ -354,6 +353,12 @@ def build_fsdp2(ctx):
     for block in model.blocks():
         fully_shard(block, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
+
+
+def build_fsdp2(ctx):
+    from models import build_model
+    model = build_model(ctx.args).to(ctx.device)
+    fsdp2_shard(model, ctx)
     opt = _adamw(model.parameters(), ctx)
 
     def step(tokens):

@@ -72,6 +72,18 @@ def _child(fn: Callable, rank: int, world_size: int, port: int, args: tuple, res
             pass
 
 
+def join_gloo(rank: int, world_size: int, port: int, timeout: float = 120.0) -> None:
+    """For a process a test starts by hand (to SIGKILL it): join a gloo group on 127.0.0.1:port
+    on the CPU, one torch thread, as run_ranks' children do."""
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                       "WORLD_SIZE": str(world_size), "ZERO3_ACCELERATOR": "cpu"})
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout))
+
+
 def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 180.0,
               env: dict | None = None, collective_timeout: float = 120.0) -> list[Any]:
     """fn(rank, world_size, *args) on every rank; returns the values in rank order."""

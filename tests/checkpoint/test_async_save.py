@@ -21,19 +21,17 @@ Launches (each shared by the checks below it):
 
 from __future__ import annotations
 
-import datetime
 import io
 import multiprocessing as mp
 import os
 import signal
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
 import torch
 from common import config, make_model, two_param_groups
-from harness import run_ranks
+from harness import join_gloo, run_ranks
 from test_checkpoint_faults import MICRO, build_engine, distinct_ports, load_after_crash, train
 
 os.environ.setdefault("ZERO3_ACCELERATOR", "cpu")
@@ -250,12 +248,8 @@ KILL_SCENARIOS = {"mid-shard": "shard-partial@1", "before-manifest": "shards-wri
 
 def kill_child(rank: int, world: int, port: int, root: str, pause: str, marker: str) -> None:
     """Trains on after an asynchronous save whose writer pauses; runs until killed."""
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-                       "WORLD_SIZE": str(world), "ZERO3_ACCELERATOR": "cpu"})
-    import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
+    join_gloo(rank, world, port)
     engine = build_engine()
     train(engine, rank, world, 0, 2)
     engine.save_checkpoint(root, tag="good")
@@ -355,16 +349,6 @@ def full_disk(rank: int, world: int, root: str) -> dict:
     out["load"] = loaded.load_checkpoint(root)[0]
     out["exact_good"] = _equal(_state(loaded), good)
     return out
-
-
-@pytest.fixture(scope="module")
-def tmpfs(tmp_path_factory):
-    mount = tmp_path_factory.mktemp("tmpfs")
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here (needs root): {done.stderr.decode().strip()}")
-    yield mount
-    subprocess.run(["umount", str(mount)], check=False)
 
 
 def test_full_disk_during_the_background_write(tmpfs):

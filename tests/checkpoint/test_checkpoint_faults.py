@@ -18,7 +18,6 @@ the tag keeps its previous save, which loads exactly, at both points.
 
 from __future__ import annotations
 
-import datetime
 import io
 import json
 import multiprocessing as mp
@@ -31,7 +30,7 @@ from pathlib import Path
 
 import torch
 from common import config, make_batches, make_model, two_param_groups
-from harness import run_ranks
+from harness import join_gloo, run_ranks
 
 os.environ.setdefault("ZERO3_ACCELERATOR", "cpu")
 
@@ -72,14 +71,10 @@ def train(engine, rank: int, world: int, first: int, count: int) -> list[float]:
 
 def fault_child(rank: int, world: int, port: int, root: str, pause: str, marker: str, second_tag: str) -> None:
     """Runs in its own process until the test kills it; exit code 3 means no pause happened."""
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-                       "WORLD_SIZE": str(world), "ZERO3_ACCELERATOR": "cpu"})
-    import torch.distributed as dist
 
     from zero3.checkpoint.export import consolidated_state_dict
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
+    join_gloo(rank, world, port)
     engine = build_engine()
     train(engine, rank, world, 0, 2)
     engine.save_checkpoint(root, tag="good")

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import math
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -94,16 +93,6 @@ def disk_worker(rank: int, world: int, root: str) -> dict:
     state = consolidated_state_dict(engine)
     out["exact_b"] = all(torch.equal(state[k], state_b[k]) for k in state_b)
     return out
-
-
-@pytest.fixture(scope="module")
-def tmpfs(tmp_path_factory):
-    mount = tmp_path_factory.mktemp("tmpfs")
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here (needs root): {done.stderr.decode().strip()}")
-    yield mount
-    subprocess.run(["umount", str(mount)], check=False)
 
 
 @pytest.fixture(scope="module")
