@@ -80,6 +80,8 @@ def parse_args(argv=None):
                         "deepspeed, zero3")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    p.add_argument("--build-on", choices=("cpu", "device"), default="cpu",
+                   help="where each peer's fp32 model is built and initialised (device: fast for 7B)")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--threads", type=int, default=None,
@@ -574,9 +576,8 @@ def main(argv=None):
     ctx.batches = [data[i, ctx.rank * B:(ctx.rank + 1) * B].contiguous().to(ctx.device)
                    for i in range(total)]
 
-    from models import build_model
-    torch.manual_seed(args.seed)
-    n_params = sum(p.numel() for p in build_model(args).parameters())
+    import models
+    n_params = models.count_parameters(args)
 
     versions = {"torch": torch.__version__, "zero3 tree": _git_rev()}
     try:
