@@ -12,21 +12,31 @@ Per mode it reports:
 - steps: the median step time of all steps that are not saves, and of the steps that ran
   while an asynchronous save was being written (the step right after a save);
 - the snapshot: this rank's checkpoint bytes, the host copy bandwidth measured on 1 GiB
-  (device to pinned host memory on a GPU, host to host on the CPU) and the copy time it
-  predicts (bytes / bandwidth), the floor of an asynchronous save's blocking time.
+  (device to pinned host memory on a GPU, host to host on the CPU) with every rank copying
+  at once, as they do in a save (the slowest rank's), and the copy time it predicts
+  (bytes / bandwidth), the floor of an asynchronous save's blocking time.
+Before training, rank 0 measures the write + fsync bandwidth of the checkpoint folder's
+disk, so a slow disk is known before the first save.
+
+`--save-every auto` keeps a fixed interval (`--auto-min` steps) for synchronous saves and
+spaces the asynchronous ones so that each background write ends before the next save
+begins (1.3x the synchronous save's time, in steps): a save that comes while the last
+is still being written waits for it, which measures the disk, not the save. The interval
+used is printed.
 
     # CPU, 2 gloo ranks (spawned), a small Llama:
     python bench/async_save_bench.py --ranks 2 --hidden 512 --layers 8 --vocab 8192 --seq 128
     # one GPU, ~1B Llama full fine-tune in bf16, world size 1:
     torchrun --standalone --nproc_per_node=1 bench/async_save_bench.py --device cuda --dtype bf16 \\
         --hidden 2048 --layers 16 --intermediate 5632 --heads 16 --vocab 32000 --seq 2048 \\
-        --micro-batch 2 --steps 16 --save-every 4 --dir /tmp/async_save_bench
+        --micro-batch 2 --steps 12 --save-every auto --dir /tmp/async_save_bench
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import os
 import shutil
 import statistics
@@ -49,11 +59,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--micro-batch", type=int, default=2)
-    p.add_argument("--steps", type=int, default=16, help="measured steps per mode (after 2 warm-up steps)")
-    p.add_argument("--save-every", type=int, default=4)
+    p.add_argument("--steps", type=int, default=16,
+                   help="measured steps per mode (after 2 warm-up steps) at --save-every's or --auto-min's interval")
+    p.add_argument("--save-every", default="4", help="steps between saves, or auto (see above)")
+    p.add_argument("--auto-min", type=int, default=4, help="auto: the synchronous interval and the least one")
     p.add_argument("--modes", default="sync,async")
     p.add_argument("--dir", default="/tmp/zero3_async_save_bench", help="where the checkpoints go (emptied)")
-    return p.parse_args(argv)
+    options = p.parse_args(argv)
+    if options.save_every != "auto" and not options.save_every.isdigit():
+        p.error(f"--save-every takes a number of steps or auto, got {options.save_every!r}")
+    return options
+
+
+def fixed_interval(options: argparse.Namespace) -> int:
+    return options.auto_min if options.save_every == "auto" else int(options.save_every)
 
 
 def build_engine(options: argparse.Namespace):
@@ -81,13 +100,20 @@ def synchronize(device: str) -> None:
 
 
 def copy_bandwidth(device: str) -> float:
-    """Bytes per second of one 1 GiB copy into host memory (pinned from a GPU)."""
+    """Bytes per second of one 1 GiB copy into host memory (pinned from a GPU), every rank
+    copying at the same time (a barrier before each copy); this rank's best of 3."""
+    import torch.distributed as dist
+
     nbytes = 1 << 30
-    source = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    target = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device == "cuda")
+    # Both written first: an untouched host allocation reads as the kernel's one zero page,
+    # from the cache, and would overstate the bandwidth by a third.
+    source = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    target = torch.ones(nbytes, dtype=torch.uint8, pin_memory=device == "cuda")
     best = float("inf")
     for _ in range(3):
         synchronize(device)
+        if dist.is_initialized():
+            dist.barrier()
         start = time.perf_counter()
         target.copy_(source, non_blocking=device == "cuda")
         synchronize(device)
@@ -95,18 +121,56 @@ def copy_bandwidth(device: str) -> float:
     return nbytes / best
 
 
-def run_mode(engine, options: argparse.Namespace, mode: str, rank: int, world: int) -> dict:
+def disk_bandwidth(folder: Path, nbytes: int = 1 << 30) -> float:
+    """Bytes per second of one write + fsync of `nbytes` into `folder` (the file is removed)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    probe = folder / "disk_probe.bin"
+    block = os.urandom(1 << 24)
+    start = time.perf_counter()
+    with open(probe, "wb") as f:
+        for _ in range(nbytes // len(block)):
+            f.write(block)
+        f.flush()
+        os.fsync(f.fileno())
+    elapsed = time.perf_counter() - start
+    probe.unlink()
+    return nbytes / elapsed
+
+
+def async_interval(options: argparse.Namespace, sync_result: dict) -> int:
+    """Steps between asynchronous saves: `--save-every`, or for auto enough steps for a
+    background write (about a synchronous save's time, 1.3x) to end before the next save.
+    The same on every rank (the slowest rank's save)."""
+    import torch.distributed as dist
+
+    if options.save_every != "auto":
+        return int(options.save_every)
+    save_s = statistics.median(sync_result["saves"][1:] or sync_result["saves"])
+    step_s = statistics.median(sync_result["steps"])
+    steps = max(options.auto_min, math.ceil(1.3 * save_s / step_s))
+    if dist.is_initialized():
+        wanted = [0] * dist.get_world_size()
+        dist.all_gather_object(wanted, steps)
+        steps = max(wanted)
+    return steps
+
+
+def run_mode(engine, options: argparse.Namespace, mode: str, rank: int, world: int, interval: int) -> dict:
+    """Train 2 warm-up steps, then as many saves as `--steps` holds at the fixed interval, a
+    save every `interval` steps, and one step after the last save."""
     import torch.distributed as dist
 
     folder = Path(options.dir) / mode
     if rank == 0:
         shutil.rmtree(folder, ignore_errors=True)
+        print(f"# {mode}: a save every {interval} steps", flush=True)
     if dist.is_initialized():
         dist.barrier()
     generator = torch.Generator().manual_seed(100 + rank)
     steps, saves, overlapped = [], [], []
     writing = False
-    for step in range(2 + options.steps):
+    n_saves = max(1, options.steps // fixed_interval(options))
+    for step in range(2 + n_saves * interval + 1):
         tokens = torch.randint(0, options.vocab, (options.micro_batch, options.seq), generator=generator)
         tokens = tokens.to(engine.device)
         synchronize(options.device)
@@ -119,7 +183,7 @@ def run_mode(engine, options: argparse.Namespace, mode: str, rank: int, world: i
         if step >= 2:
             (overlapped if writing else steps).append(elapsed)
         writing = False
-        if step >= 2 and (step - 1) % options.save_every == 0:
+        if step >= 2 and (step - 1) % interval == 0:
             start = time.perf_counter()
             engine.save_checkpoint(str(folder), tag="rolling", async_save=(mode == "async"))
             synchronize(options.device)
@@ -136,20 +200,30 @@ def run_mode(engine, options: argparse.Namespace, mode: str, rank: int, world: i
     if rank == 0:
         shutil.rmtree(folder, ignore_errors=True)  # at most two copies of the state on disk at a time
     return {"mode": mode, "saves": saves, "steps": steps, "overlapped": overlapped, "final_wait": final_wait,
-            "snapshot_bytes": engine.checkpointer.snapshot.held_bytes}
+            "snapshot_bytes": engine.checkpointer.snapshot.held_bytes, "interval": interval}
 
 
 def bench(rank: int, world: int, options: argparse.Namespace) -> None:
     import torch.distributed as dist
 
+    start = time.perf_counter()
     engine = build_engine(options)
-    results = [run_mode(engine, options, mode, rank, world) for mode in options.modes.split(",")]
-    bandwidth = copy_bandwidth(options.device) if rank == 0 else 0.0
-    gathered = [None] * world
+    if rank == 0:
+        disk = disk_bandwidth(Path(options.dir))
+        print(f"# engine built in {time.perf_counter() - start:.1f} s; write + fsync into {options.dir}: "
+              f"{disk / 2**30:.2f} GiB/s (1 GiB)", flush=True)
+    results = []
+    for mode in options.modes.split(","):
+        sync = next((r for r in results if r["mode"] == "sync"), None)
+        interval = async_interval(options, sync) if mode == "async" and sync else fixed_interval(options)
+        results.append(run_mode(engine, options, mode, rank, world, interval))
+    bandwidth = copy_bandwidth(options.device)
+    gathered, bandwidths = [results], [bandwidth]
     if dist.is_initialized():
+        gathered, bandwidths = [None] * world, [0.0] * world
         dist.all_gather_object(gathered, results)
-    else:
-        gathered = [results]
+        dist.all_gather_object(bandwidths, bandwidth)
+    bandwidth = min(bandwidths)
     if rank == 0:
         report(options, world, gathered, bandwidth, engine)
     engine.destroy()
@@ -161,12 +235,13 @@ def _ms(seconds: float) -> str:
 
 def report(options, world: int, per_rank: list[list[dict]], bandwidth: float, engine) -> None:
     params = sum(sp.numel for sp in engine.table.values())
+    intervals = ", ".join(f"{m['mode']} every {m['interval']}" for m in per_rank[0])
     print(f"Llama {params / 1e6:.1f}M parameters, {options.dtype}, AdamW, {world} rank(s) on {options.device}, "
-          f"a save every {options.save_every} steps, {options.steps} measured steps per mode, into {options.dir}")
+          f"saves: {intervals} steps, into {options.dir}")
     snapshot = max(r[-1]["snapshot_bytes"] for r in per_rank) if any(
         m["mode"] == "async" for m in per_rank[0]) else 0
-    print(f"host copy bandwidth (rank 0, 1 GiB, {'device->pinned' if options.device == 'cuda' else 'host->host'}):"
-          f" {bandwidth / 2**30:.1f} GiB/s")
+    print(f"host copy bandwidth (1 GiB, {'device->pinned' if options.device == 'cuda' else 'host->host'}, "
+          f"every rank at once, slowest rank): {bandwidth / 2**30:.1f} GiB/s")
     if snapshot:
         print(f"snapshot per rank: {snapshot / 2**30:.3f} GiB -> predicted copy time "
               f"{snapshot / bandwidth * 1e3:.1f} ms")

@@ -3,6 +3,8 @@
 # (each stage's log under $OUT). DeepSpeed 0.19.8 (built with DS_BUILD_OPS=0) and what it
 # lacks come from wheels in build/wheels; the Hugging Face extras from .whl.
 #   STAGE=hf,async,ds_compile_1b,compile_7b_lora
+# Each of async and compile_7b_lora may take most of a 10-minute device call: run them in
+# calls of their own (STAGE=hf with tests/gpu/sharded_tier.sh STAGE=train fits in one).
 set -u
 out=${OUT:-bench/out}
 mkdir -p "$out"
@@ -22,11 +24,21 @@ if [[ $stage == *hf* ]]; then
     echo "== hf on CUDA, 2 ranks over gloo on one GPU (exit $?)"; tail -4 "$out/hf_cuda_w2.log"
 fi
 if [[ $stage == *async* ]]; then
-    timeout ${ASYNC_TIMEOUT:-420} torchrun --standalone --nproc_per_node=1 bench/async_save_bench.py --device cuda \
+    # A save of the 1B full fine-tune is 14.3 GiB. The local disk unless it writes slower than
+    # 0.4 GiB/s (then ~36 s a save, 3 saves a mode, would not fit a 10-minute call) and
+    # /dev/shm has room for two copies; the log says which.
+    async_dir=${ASYNC_DIR:-$(python3 -c "
+import shutil, sys; from pathlib import Path; sys.path.insert(0, 'bench')
+from async_save_bench import disk_bandwidth
+bw = disk_bandwidth(Path('/tmp/async_probe')); shm = shutil.disk_usage('/dev/shm').free
+print(f'# /tmp: {bw / 2**30:.2f} GiB/s write + fsync; /dev/shm free {shm / 2**30:.0f} GiB', file=sys.stderr)
+print('/dev/shm/async_save_bench' if bw < 0.4 * 2**30 and shm > 40 * 2**30 else '/tmp/async_save_bench')")}
+    echo "== async save bench into $async_dir"
+    timeout ${ASYNC_TIMEOUT:-540} torchrun --standalone --nproc_per_node=1 bench/async_save_bench.py --device cuda \
         --dtype bf16 --hidden 2048 --layers 16 --intermediate 5632 --heads 16 --vocab 32000 --seq 2048 \
-        --micro-batch 2 --steps ${ASYNC_STEPS:-8} --save-every 4 --dir /tmp/async_save_bench 2>&1 \
+        --micro-batch 2 --steps ${ASYNC_STEPS:-12} --save-every auto --dir "$async_dir" 2>&1 \
         | grep -v Warning | tee "$out/async_save_1b.log" | tail -30
-    rm -rf /tmp/async_save_bench
+    rm -rf "$async_dir" /tmp/async_probe
 fi
 if [[ $stage == *ds_compile_1b* ]]; then
     (cd bench && timeout ${DS_TIMEOUT:-200} torchrun --standalone --nproc_per_node=1 compile_bench.py --device cuda \
@@ -34,8 +46,9 @@ if [[ $stage == *ds_compile_1b* ]]; then
         --peers deepspeed_compiled,zero3_compiled 2>&1 | grep -v "Warning\|warn(" | tee "$out/compile_1b_deepspeed.log" | tail -14)
 fi
 if [[ $stage == *compile_7b_lora* ]]; then
-    (cd bench && timeout ${LORA_TIMEOUT:-400} torchrun --standalone --nproc_per_node=1 compile_bench.py --device cuda \
+    (cd bench && timeout ${LORA_TIMEOUT:-540} torchrun --standalone --nproc_per_node=1 compile_bench.py --device cuda \
         --dtype bf16 --model llama --width 4096 --layers 32 --intermediate 11008 --heads 32 --vocab 32000 --seq 2048 \
-        --micro-batch 1 --steps 4 --warmup 3 --rounds 1 --lora 16 --peers ${LORA_PEERS:-plain_compiled,fsdp2_compiled,zero3_compiled,zero3} \
+        --micro-batch 1 --steps 4 --warmup 3 --rounds 1 --lora 16 --build-on device \
+        --peers ${LORA_PEERS:-plain_compiled,fsdp2_compiled,zero3_compiled,zero3} \
         2>&1 | grep -v "Warning\|warn(" | tee "$out/compile_7b_lora.log" | tail -14)
 fi

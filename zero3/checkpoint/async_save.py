@@ -50,7 +50,7 @@ from typing import Any
 
 from zero3.checkpoint.arrival import default_store, process_group_timeout
 from zero3.checkpoint.errors import CheckpointError
-from zero3.checkpoint.export import on_every_rank
+from zero3.checkpoint.export import gather_on_every_rank
 from zero3.checkpoint.save_load import (
     RankFiles,
     SaveTarget,
@@ -162,20 +162,23 @@ class AsyncCheckpointer:
                  exclude_frozen: bool, write_16bit_model: bool) -> _Job:
         """Step 3 of the module docstring, on the main thread (collectives allowed here)."""
         comm = state.model.comm
+        taken: dict[str, Any] = {}
 
-        def snapshot() -> RankFiles:
+        def snapshot() -> dict:
+            """The snapshot, and on rank 0 the manifest from its own kinds (checked against
+            every rank's below); this rank's kinds, to be exchanged."""
             files = rank_files(state, client_state, exclude_frozen)
             views = self.snapshot.take(files.specs, files.tensors, comm.rank)
-            return RankFiles(files.specs, [lambda view=view: view for view in views], files.kinds,
-                             files.rng_data, files.common_data)
+            taken["files"] = RankFiles(files.specs, [lambda view=view: view for view in views], files.kinds,
+                                       files.rng_data, files.common_data)
+            if comm.rank == 0:
+                taken["manifest"] = checkpoint_manifest(state, target.tag, {}, files.kinds, exclude_frozen)
+            return files.kinds
 
-        files = on_every_rank(comm, snapshot, CheckpointError)
+        merge_kinds(gather_on_every_rank(comm, snapshot, CheckpointError))  # raises on every rank alike
         self._log_buffer()
         extra = (write_16bit_file(state, target, exclude_frozen) or {}) if write_16bit_model else {}
-        all_kinds = comm.gather_objects(files.kinds)
-        manifest = on_every_rank(comm, lambda: checkpoint_manifest(
-            state, target.tag, {}, merge_kinds(all_kinds), exclude_frozen) if comm.rank == 0 else None,
-            CheckpointError)
+        files, manifest = taken["files"], taken.get("manifest")
         board = None
         if comm.world_size > 1:
             board = WriteBoard(default_store(), comm.rank, comm.world_size, report_timeout())

@@ -50,14 +50,34 @@ def on_every_rank(comm, fn: Callable[[], Any], error: type[Exception] = RuntimeE
     seen by one rank (a file it could not write or read) never leaves the others waiting
     in the next collective. A collective itself: every rank must call it.
     """
-    try:
-        value, failure = fn(), None
-    except Exception as exc:  # noqa: BLE001 - reported on every rank below
-        value, failure = None, exc
+    value, failure = _run(fn)
     messages = comm.gather_objects(None if failure is None else _describe(failure, error))
+    _raise_failures(comm, messages, failure, error)
+    return value
+
+
+def gather_on_every_rank(comm, fn: Callable[[], Any], error: type[Exception] = RuntimeError) -> list[Any]:
+    """`on_every_rank`, and every rank's value of `fn` (picklable), in rank order, in the same
+    one collective: an agreement and the exchange it guards cost one round trip, not two."""
+    value, failure = _run(fn)
+    outcomes = comm.gather_objects((value, None) if failure is None else (None, _describe(failure, error)))
+    _raise_failures(comm, [message for _, message in outcomes], failure, error)
+    return [value for value, _ in outcomes]
+
+
+def _run(fn: Callable[[], Any]) -> tuple[Any, Exception | None]:
+    try:
+        return fn(), None
+    except Exception as exc:  # noqa: BLE001 - reported on every rank by the caller
+        return None, exc
+
+
+def _raise_failures(comm, messages: list[str | None], failure: Exception | None,
+                    error: type[Exception]) -> None:
+    """Raise `error` naming each failing rank, if any message is set (the same on every rank)."""
     failed = [(rank, text) for rank, text in enumerate(messages) if text is not None]
     if not failed:
-        return value
+        return
     if len(failed) == 1 or all(text == failed[0][1] for _, text in failed):
         ranks = ", ".join(str(rank) for rank, _ in failed)
         text = failed[0][1] if comm.world_size == 1 else f"on rank {ranks}: {failed[0][1]}"

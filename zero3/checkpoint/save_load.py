@@ -106,7 +106,13 @@ import torch
 
 from zero3.checkpoint.deepspeed.layout import DeepSpeedCheckpoint, deepspeed_tag_folder
 from zero3.checkpoint.errors import CheckpointError, CheckpointTagMismatchError
-from zero3.checkpoint.export import on_every_rank, parameter_aliases, persistent_buffers, write_consolidated
+from zero3.checkpoint.export import (
+    gather_on_every_rank,
+    on_every_rank,
+    parameter_aliases,
+    persistent_buffers,
+    write_consolidated,
+)
 from zero3.checkpoint.files import TensorSpec, fsync_dir, removed_on_failure, write_safetensors
 from zero3.checkpoint.folder_swap import put_in_place, replaced_folder, staging_folder
 from zero3.checkpoint.format import (
@@ -461,13 +467,20 @@ def begin_save(state: TrainingState, save_dir, tag, client_state: dict, tag_vali
     on, and the folder this save writes into chosen and emptied by rank 0."""
     comm = state.model.comm
     rank = comm.rank
-    on_every_rank(comm, lambda: (_check_pause_setting(), _check_client_state(client_state)), CheckpointError)
     tag = str(tag) if tag is not None else f"global_step{state.counters.global_steps}"
-    tag = _agree_on_tag(comm, tag, tag_validation)
+
+    def checked() -> str:
+        _check_pause_setting()
+        _check_client_state(client_state)
+        _check_tag_name(tag)
+        return tag
+
+    tag = _agree_on_tag(comm.rank, gather_on_every_rank(comm, checked, CheckpointError), tag_validation)
     root = Path(save_dir)
     folder = root / tag
-    chosen = on_every_rank(comm, lambda: str(_folder_to_write(folder)) if rank == 0 else None, CheckpointError)
-    return SaveTarget(root, tag, Path(comm.gather_objects(chosen)[0]))
+    chosen = gather_on_every_rank(comm, lambda: str(_folder_to_write(folder)) if rank == 0 else None,
+                                  CheckpointError)[0]
+    return SaveTarget(root, tag, Path(chosen))
 
 
 def abandon_save(target: SaveTarget) -> None:
@@ -527,19 +540,17 @@ def _write_and_commit(state: TrainingState, target: SaveTarget, client_state: di
         files = rank_files(state, client_state, exclude_frozen)
         return write_rank_files(files, target.write_to, rank, comm.world_size), files.kinds
 
-    written, kinds = on_every_rank(comm, write, CheckpointError)
-    if write_16bit_model:
-        written.update(write_16bit_file(state, target, exclude_frozen) or {})
-    all_written = comm.gather_objects(written)
-    all_kinds = comm.gather_objects(kinds)
+    outcomes = gather_on_every_rank(comm, write, CheckpointError)
+    kinds = merge_kinds([kinds for _, kinds in outcomes])  # the same on every rank: raises on all alike
+    extra = (write_16bit_file(state, target, exclude_frozen) or {}) if write_16bit_model else {}
 
     def commit() -> None:
         if rank != 0:
             return
-        files: dict[str, Any] = {}
-        for part in all_written:
-            files.update(part)
-        manifest = checkpoint_manifest(state, target.tag, files, merge_kinds(all_kinds), exclude_frozen)
+        files: dict[str, Any] = dict(extra)
+        for written, _ in outcomes:
+            files.update(written)
+        manifest = checkpoint_manifest(state, target.tag, files, kinds, exclude_frozen)
         commit_manifest(target, manifest, save_latest)
 
     on_every_rank(comm, commit, CheckpointError)
@@ -596,23 +607,22 @@ def _check_tag_name(tag: str) -> None:
         raise CheckpointError(f"checkpoint tag {tag!r} is not a valid folder name; use e.g. 'global_step100'")
 
 
-def _agree_on_tag(comm: Communicator, tag: str, mode: str) -> str:
-    """The tag every rank saves under, after DeepSpeed's checkpoint.tag_validation.
+def _agree_on_tag(rank: int, tags: list[str], mode: str) -> str:
+    """The tag every rank saves under, from every rank's (checked) `tags`, after DeepSpeed's
+    checkpoint.tag_validation. The same outcome on every rank, which all hold `tags`.
 
     Ranks that pass different tags get, with "Warn" (the default), a warning and with
     "Ignore" nothing, and all of them save under rank 0's tag (a checkpoint has one tag;
     DeepSpeed would scatter it over several folders); with "Fail" an error on every rank.
     """
-    on_every_rank(comm, lambda: _check_tag_name(tag), CheckpointError)
-    tags = comm.gather_objects(tag)
     if all(t == tags[0] for t in tags):
-        return tag
+        return tags[0]
     by_rank = ", ".join(f"rank {r}: {t!r}" for r, t in enumerate(tags))
     if mode == "FAIL":
         raise CheckpointTagMismatchError(
             f"ranks passed different checkpoint tags ({by_rank}) and checkpoint.tag_validation is \"Fail\"; "
             "pass the same tag on every rank (a tag with rank-specific text cannot be loaded back)")
-    if mode == "WARN" and comm.rank == 0:
+    if mode == "WARN" and rank == 0:
         logger.warning("zero3: ranks passed different checkpoint tags (%s); every rank saves under rank 0's "
                        "tag %r. Pass the same tag on every rank (checkpoint.tag_validation: \"Ignore\" "
                        "silences this)", by_rank, tags[0])
