@@ -518,7 +518,13 @@ def run_peer(ctx, name, record_losses):
             except Exception:
                 pass
         peer = None
+        if "torch._dynamo" in sys.modules:
+            # Each peer compiles afresh: no cache entry keeps the last peer's model alive, and
+            # no peer spends another's recompilation limit on the shared block code.
+            sys.modules["torch._dynamo"].reset()
         gc.collect()
+        if ctx.device.type == "cuda":
+            torch.cuda.empty_cache()  # the next peer starts from the same free memory
     return rec
 
 
