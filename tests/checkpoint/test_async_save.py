@@ -265,7 +265,8 @@ def kill_child(rank: int, world: int, port: int, root: str, pause: str, marker: 
     steps = Path(root).parent / f"steps{rank}"
     for step in range(3, 10_000):  # training goes on while the writer is paused
         train(engine, rank, world, step, 1)
-        steps.write_text(str(step - 2))
+        steps.with_suffix(".tmp").write_text(str(step - 2))
+        os.replace(steps.with_suffix(".tmp"), steps)  # whole: the test reads it while this runs
     os._exit(3)
 
 
