@@ -34,6 +34,14 @@ WORDS, HIDDEN, LAYERS, HEADS, SEQ, LORA_R = 60, 32, 2, 4, 16, 4
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
 
 
+def on_cpu() -> bool:
+    """Whether the Trainer runs on the CPU: where zero3's accelerator is the CPU (no GPU, or
+    ZERO3_ACCELERATOR=cpu), so the Trainer's batches and zero3's engine share a device."""
+    from zero3.accelerator import get_accelerator
+
+    return get_accelerator().device_name() == "cpu"
+
+
 def build_tokenizer():
     """A word-level tokenizer over `w0 .. w{WORDS-1}` and four special tokens, in code."""
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -103,7 +111,7 @@ def sft_config(output_dir: str | Path, max_steps: int, save_steps: int = 0, reen
                   save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
                   gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": reentrant},
                   max_length=SEQ, dataset_text_field="text", packing=False, dataloader_num_workers=0,
-                  disable_tqdm=True, bf16=False, use_cpu=not torch.cuda.is_available())
+                  disable_tqdm=True, bf16=False, use_cpu=on_cpu())
     values.update(overrides)
     return SFTConfig(**values)
 

@@ -82,7 +82,7 @@ class GenerateOnEvaluate(TrainerCallback):
 
         rank = dist.get_rank()
         model.generation_config.eos_token_id = None
-        prompt = torch.tensor([[5 + rank, 9, 11, 7 + 3 * rank][: 3 + rank]])
+        prompt = torch.tensor([[5 + rank, 9, 11, 7 + 3 * rank][: 3 + rank]], device=args.device)  # the Trainer's
         common = dict(input_ids=prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
                       max_new_tokens=MAX_NEW, pad_token_id=0)
         with torch.no_grad():
@@ -113,7 +113,7 @@ def full_finetune(folder: Path) -> dict:
                              gradient_accumulation_steps=2, max_steps=3, learning_rate=1e-2, max_grad_norm=0.5,
                              logging_steps=1, report_to=[], save_strategy="no", seed=0, disable_tqdm=True,
                              gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False},
-                             per_device_eval_batch_size=2, use_cpu=True)
+                             per_device_eval_batch_size=2, use_cpu=E.on_cpu())
     results: dict = {}
     trainer = zero3.hf.Trainer(model=model, args=args, train_dataset=data, eval_dataset=data.select(range(8)),
                                data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False),
