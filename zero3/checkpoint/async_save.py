@@ -28,7 +28,7 @@ save_checkpoint or load_checkpoint, `wait()` (engine.wait_for_checkpoint), `clos
 folder without a manifest (or the tag's previous save), which no load picks: `latest`
 still names the previous checkpoint.
 
-Memory: the snapshot buffer (the rank's checkpoint bytes, about 16 bytes per parameter
+Memory: the snapshot buffer (the rank's checkpoint bytes, about 14 bytes per parameter
 / world size for bf16 with AdamW) is held from the first asynchronous save until
 `close()`; nothing else of size. Threads: one writer thread per engine, started by the
 first asynchronous save and ended by `close()`; it owns the snapshot's views while a job
