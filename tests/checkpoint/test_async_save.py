@@ -22,7 +22,6 @@ Launches (each shared by the checks below it):
 from __future__ import annotations
 
 import io
-import multiprocessing as mp
 import os
 import signal
 import time
@@ -32,7 +31,7 @@ import pytest
 import torch
 from common import config, make_model, two_param_groups
 from harness import join_gloo, run_ranks
-from test_checkpoint_faults import MICRO, build_engine, distinct_ports, load_after_crash, train
+from test_checkpoint_faults import MICRO, build_engine, crash_all, load_after_crash, train
 
 os.environ.setdefault("ZERO3_ACCELERATOR", "cpu")
 
@@ -246,7 +245,7 @@ def test_a_failed_background_write_keeps_the_previous_checkpoint(errors):
 KILL_SCENARIOS = {"mid-shard": "shard-partial@1", "before-manifest": "shards-written@0"}
 
 
-def kill_child(rank: int, world: int, port: int, root: str, pause: str, marker: str) -> None:
+def kill_child(rank: int, world: int, port: int, root: str, pause: str, marker: str, _second_tag: str) -> None:
     """Trains on after an asynchronous save whose writer pauses; runs until killed."""
 
     join_gloo(rank, world, port)
@@ -270,34 +269,17 @@ def kill_child(rank: int, world: int, port: int, root: str, pause: str, marker: 
     os._exit(3)
 
 
+def _steps_written(base: Path) -> bool:
+    return all((base / f"steps{r}").exists() for r in range(2))
+
+
+def _trained_while_writing(base: Path) -> dict:
+    return {"trained_while_writing": min(int((base / f"steps{r}").read_text()) for r in range(2))}
+
+
 def test_sigkill_during_the_background_write_keeps_the_previous_checkpoint(tmp_path):
-    ctx = mp.get_context("spawn")
-    running = {}
-    for (name, pause), port in zip(KILL_SCENARIOS.items(), distinct_ports(len(KILL_SCENARIOS))):
-        (tmp_path / name).mkdir()
-        marker = tmp_path / name / "paused.pid"
-        procs = [ctx.Process(target=kill_child, args=(r, 2, port, str(tmp_path / name / "ckpt"), pause, str(marker)))
-                 for r in range(2)]
-        for p in procs:
-            p.start()
-        running[name] = (procs, marker)
-    seen = {}
-    try:
-        deadline = time.monotonic() + 240
-        while len(seen) < len(running):
-            for name, (procs, marker) in running.items():
-                steps = [tmp_path / name / f"steps{r}" for r in range(2)]
-                if name not in seen and marker.exists() and all(s.exists() for s in steps):
-                    seen[name] = _kill(procs, marker, tmp_path / name)
-                assert all(p.exitcode in (None, -signal.SIGKILL) for p in procs), (name, [p.exitcode for p in procs])
-            assert time.monotonic() < deadline, f"no pause reached in time: {sorted(set(running) - set(seen))}"
-            time.sleep(0.05)
-    finally:
-        for procs, _ in running.values():
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
-                p.join()
+    seen = crash_all(tmp_path, KILL_SCENARIOS, child=kill_child, ready=_steps_written,
+                     before_kill=_trained_while_writing)
     assert seen["mid-shard"]["victim"] == 1 and seen["before-manifest"]["victim"] == 0
     for name, s in seen.items():
         assert s["trained_while_writing"] >= 1, (name, s)  # steps ran after save_checkpoint returned
@@ -313,21 +295,6 @@ def test_sigkill_during_the_background_write_keeps_the_previous_checkpoint(tmp_p
             if rank == 0:
                 good_state = torch.load(tmp_path / name / "good_state.pt", weights_only=True)
                 assert _equal(r["good"]["state"], good_state), name
-
-
-def _kill(procs, marker: Path, base: Path) -> dict:
-    pid = int(marker.read_text())
-    victim = next(p for p in procs if p.pid == pid)
-    trained = min(int((base / f"steps{r}").read_text() or 0) for r in range(2))
-    os.kill(pid, signal.SIGKILL)
-    victim.join()
-    for p in procs:
-        if p.is_alive():
-            os.kill(p.pid, signal.SIGKILL)
-        p.join()
-    bad = base / "ckpt" / "bad"
-    return {"victim": procs.index(victim), "exitcodes": [p.exitcode for p in procs], "trained_while_writing": trained,
-            "files": sorted(p.name for p in bad.iterdir()) if bad.is_dir() else []}
 
 
 # ---------------------------------------------------------------------- full disk

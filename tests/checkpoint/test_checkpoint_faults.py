@@ -104,8 +104,11 @@ def distinct_ports(count: int) -> list[int]:
             s.close()
 
 
-def crash_all(tmp_path: Path, scenarios: dict[str, str], second_tag: str = "bad") -> dict[str, dict]:
-    """Start every scenario at once; SIGKILL each at its pause point; what was seen."""
+def crash_all(tmp_path: Path, scenarios: dict[str, str], second_tag: str = "bad", child=None,
+              ready=None, before_kill=None) -> dict[str, dict]:
+    """Start every scenario at once, 2 ranks each running child(rank, 2, port, ckpt, pause,
+    marker, second_tag) (default fault_child); SIGKILL each at its pause point, once
+    `ready(base)` holds too; what was seen, with `before_kill(base)`'s entries."""
     ctx = mp.get_context("spawn")
     running = {}
     ports = distinct_ports(len(scenarios))
@@ -113,7 +116,7 @@ def crash_all(tmp_path: Path, scenarios: dict[str, str], second_tag: str = "bad"
         base = tmp_path / name
         base.mkdir()
         marker = base / "paused.pid"
-        procs = [ctx.Process(target=fault_child,
+        procs = [ctx.Process(target=child or fault_child,
                              args=(r, 2, port, str(base / "ckpt"), pause, str(marker), second_tag))
                  for r in range(2)]
         for p in procs:
@@ -124,10 +127,12 @@ def crash_all(tmp_path: Path, scenarios: dict[str, str], second_tag: str = "bad"
     try:
         while len(seen) < len(running):
             for name, (procs, marker) in running.items():
+                base = tmp_path / name
                 if name in seen:
                     continue
-                if marker.exists():
-                    seen[name] = kill_at_pause(procs, marker, tmp_path / name / "ckpt")
+                if marker.exists() and (ready is None or ready(base)):
+                    extra = before_kill(base) if before_kill else {}
+                    seen[name] = {**kill_at_pause(procs, marker, base / "ckpt"), **extra}
                 elif any(p.exitcode is not None for p in procs):
                     raise AssertionError(f"{name}: a process ended before pausing: {[p.exitcode for p in procs]}")
             assert time.monotonic() < deadline, f"no pause reached in time: {sorted(set(running) - set(seen))}"
