@@ -144,7 +144,7 @@ def async_interval(options: argparse.Namespace, sync_result: dict) -> int:
     import torch.distributed as dist
 
     if options.save_every != "auto":
-        return int(options.save_every)
+        return fixed_interval(options)
     save_s = statistics.median(sync_result["saves"][1:] or sync_result["saves"])
     step_s = statistics.median(sync_result["steps"])
     steps = max(options.auto_min, math.ceil(1.3 * save_s / step_s))
