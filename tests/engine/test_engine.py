@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from common import batch_index, config, make_batches, make_model, reference_training, two_param_groups
+from common import Chain, batch_index, config, make_batches, make_model, reference_training, two_param_groups
 from harness import run_ranks
 
 STEPS, MICRO = 3, 2
@@ -45,19 +45,6 @@ def test_parity_with_plain_pytorch(world, ga, threshold):
     assert set(state) == set(ref_state)
     for name, ref in ref_state.items():
         torch.testing.assert_close(state[name], ref, rtol=1e-5, atol=1e-6, msg=name)
-
-
-class Chain(torch.nn.Module):
-    """Three bias-free layers of uneven sizes: every parameter partitioned, easy arithmetic."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.l1 = torch.nn.Linear(13, 17, bias=False)
-        self.l2 = torch.nn.Linear(17, 11, bias=False)
-        self.l3 = torch.nn.Linear(11, 3, bias=False)
-
-    def forward(self, x):
-        return self.l3(torch.relu(self.l2(torch.relu(self.l1(x))))).square().mean()
 
 
 def count_collectives(rank: int, world: int):

@@ -10,25 +10,12 @@ import math
 
 import pytest
 import torch
-from common import batch_index, config, make_batches, make_model, two_param_groups
+from common import Chain, batch_index, config, make_batches, make_model, two_param_groups
 from harness import run_ranks
 
 OFF = {"stage3_prefetch_bucket_size": 0, "stage3_max_reuse_distance": 0}
 PREFETCH_ONLY = {"stage3_prefetch_bucket_size": 1, "stage3_max_reuse_distance": 0}
 DEFAULTS: dict = {}
-
-
-class Chain(torch.nn.Module):
-    """Three bias-free layers, 221, 187 and 33 elements: easy distance arithmetic."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.l1 = torch.nn.Linear(13, 17, bias=False)
-        self.l2 = torch.nn.Linear(17, 11, bias=False)
-        self.l3 = torch.nn.Linear(11, 3, bias=False)
-
-    def forward(self, x):
-        return self.l3(torch.relu(self.l2(torch.relu(self.l1(x))))).square().mean()
 
 
 def train_net(rank: int, world: int, zero: dict, steps: int = 4, ga: int = 2):
