@@ -38,7 +38,7 @@ from torch import nn
 from zero3.checkpoint import export
 from zero3.checkpoint import save_load as checkpoint_io
 from zero3.checkpoint.arrival import check_in
-from zero3.checkpoint.async_save import AsyncCheckpointer
+from zero3.checkpoint.async_save import engine_checkpointer
 from zero3.compat.engine_surface import EngineSurface
 from zero3.compat.param_status import mark_managed
 from zero3.config import Zero3Config
@@ -128,7 +128,7 @@ class Engine(EngineSurface, nn.Module):
         for request in compile_requests:
             self.compiled_units.apply(request)
         self._build_views()
-        self.checkpointer = AsyncCheckpointer(self.comm.rank, self.comm.world_size)
+        self.checkpointer = engine_checkpointer(self._training_state(), config.checkpoint_async_save)
         register(self.param_owner)
         self._destroyed = False
         diagnostics.report_config(config, self.comm.rank)
@@ -431,6 +431,24 @@ class Engine(EngineSurface, nn.Module):
         save = self.checkpointer.save if use_async else checkpoint_io.save
         return save(self._training_state(), save_dir, tag, client_state or {}, save_latest, exclude_frozen_parameters,
                     self.config.checkpoint_tag_validation, self.config.zero.gather_16bit_weights_on_model_save)
+
+    def prepare_async_checkpoint(self) -> int:
+        """Allocate now, on this rank, the host buffer of asynchronous saves (and start their
+        writer thread), so that the first `save_checkpoint(..., async_save=True)` blocks no
+        longer than the later ones; returns the buffer's bytes.
+
+        The buffer holds a copy of everything this rank's shard file holds once the
+        optimizer has stepped: parameter shards, fp32 masters, optimizer state (foreseen
+        before the first step), rank 0's buffers (about 14 bytes per parameter / world
+        size in bf16 with AdamW, 12 in fp32; what `zero3 estimate --async-checkpoint`
+        counts). It is pinned when a shard or master is on a GPU, else pageable and written
+        once with zeros here (so the first save takes no page faults). It is kept until
+        `destroy()`; a save inside an accumulation window grows it by the gradient shards.
+        With checkpoint.async_save in the config, initialize has done this already.
+        Not a collective; raises CheckpointError when the host cannot hold the buffer."""
+        self._check_alive()
+        self._settle()
+        return self.checkpointer.prepare(self._training_state())
 
     def wait_for_checkpoint(self) -> None:
         """Return once the last save is committed; raise its error (on every rank) if it failed."""

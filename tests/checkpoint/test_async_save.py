@@ -1,14 +1,19 @@
 """Asynchronous saves: training goes on during the write, and every guarantee of a save holds.
 
 Launches (each shared by the checks below it):
-- `inflight_and_resume` on 2 and on 4 ranks: after 2 steps an asynchronous save of `s2` whose
+- `inflight_and_resume` on 2 and on 4 ranks: `engine.prepare_async_checkpoint()` before the
+  first step holds the snapshot buffer the saves then use (no save allocates another);
+  after 2 steps an asynchronous save of `s2` whose
   commit rank 0 holds back for 3 s (ZERO3_CHECKPOINT_PAUSE=shards-written@0 with
   ZERO3_CHECKPOINT_PAUSE_SECONDS); 2 steps are trained while it is uncommitted; a second
   asynchronous save `s4` is called while `s2` is in flight (it must wait for `s2`'s
   commit); 2 more steps. Fresh engines then load `s2` (exactly the state at step 2,
   although training changed it during the write) and `s4`, and train the same 2 steps:
   losses and parameters bit-identical to the uninterrupted run.
-- `write_errors` (2 ranks): rank 1's file size limit (RLIMIT_FSIZE, SIGXFSZ ignored) makes
+- `write_errors` (2 ranks, checkpoint.async_save in the config): the snapshot buffer is
+  held from initialize, as many bytes as the first save's shard file holds (64-byte
+  aligned) and what `zero3 estimate` counts, and the first save copies into that buffer
+  (the same storage). Then rank 1's file size limit (RLIMIT_FSIZE, SIGXFSZ ignored) makes
   its background write fail with EFBIG. The error is raised on both ranks, naming rank 1's
   file, at the next save_checkpoint, at wait_for_checkpoint, at destroy, and printed at
   process exit; `latest` still names the good checkpoint, which loads.
@@ -54,13 +59,14 @@ def inflight_and_resume(rank: int, world: int, root: str) -> dict:
     root_path = Path(root)
     marker = root_path.parent / "held.pid"
     engine = build_engine()
+    out = {"prepared": engine.prepare_async_checkpoint(), "buffer_at_prepare": _buffer_identity(engine)}
     train(engine, rank, world, 0, 2)
     state_2 = _state(engine)
     os.environ.update({"ZERO3_CHECKPOINT_PAUSE": "shards-written@0", "ZERO3_CHECKPOINT_PAUSE_SECONDS": str(HOLD_SECONDS),
                        "ZERO3_CHECKPOINT_PAUSE_MARKER": str(marker)})
     start = time.perf_counter()
     engine.save_checkpoint(root, tag="s2", async_save=True)
-    out = {"s2_blocked": time.perf_counter() - start}
+    out["s2_blocked"] = time.perf_counter() - start
     while not marker.exists():  # rank 0's writer holds the commit from here on
         time.sleep(0.01)
     os.environ.pop("ZERO3_CHECKPOINT_PAUSE")
@@ -87,7 +93,26 @@ def inflight_and_resume(rank: int, world: int, root: str) -> dict:
     out["exact_after"] = _equal(_state(resumed), final)
     out["rank0_holds_state"] = bool(final)
     out["snapshot"] = (engine.checkpointer.snapshot.held_bytes, len(engine.table))
+    out["buffer_after_saves"] = _buffer_identity(engine)
     return out
+
+
+def _buffer_identity(engine) -> tuple[int, int | None]:
+    """(bytes held, address of the storage) of the engine's snapshot buffer."""
+    buffer = engine.checkpointer.snapshot.buffer
+    return engine.checkpointer.snapshot.held_bytes, None if buffer is None else buffer.data_ptr()
+
+
+def _snapshot_bytes_of(shard_file: Path) -> int:
+    """The bytes a snapshot of a shard file's tensors takes: each one's, 64-byte aligned."""
+    import json
+
+    from zero3.checkpoint.snapshot import ALIGN
+
+    with open(shard_file, "rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    spans = [entry["data_offsets"] for key, entry in header.items() if key != "__metadata__"]
+    return sum(-(-(end - start) // ALIGN) * ALIGN for start, end in spans)
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["2ranks", "4ranks"])
@@ -118,6 +143,14 @@ def test_resume_from_an_async_save_is_bit_exact(inflight):
         assert out["load_s2"] == str(base / "ckpt" / "s2") and out["exact_s2"]
         assert out["load_latest"] == str(base / "ckpt" / "s4") and out["exact_s4"]
         assert out["same_losses"] and out["exact_after"], out
+
+
+def test_prepare_async_checkpoint_holds_the_buffer_every_save_uses(inflight):
+    _, results = inflight
+    for out in results:
+        held, address = out["buffer_at_prepare"]
+        assert held == out["prepared"] > 0 and address is not None, out["buffer_at_prepare"]
+        assert out["buffer_after_saves"] == (held, address), (out["buffer_at_prepare"], out["buffer_after_saves"])
 
 
 def test_the_estimate_counts_the_snapshot_buffer(inflight):
@@ -160,17 +193,20 @@ def _raised(call) -> str:
 
 def write_errors(rank: int, world: int, root: str, logs: str) -> dict:
     import zero3
+    from zero3.checkpoint.format import shard_file
 
     stderr = open(Path(logs) / f"stderr{rank}.txt", "w")  # noqa: SIM115 - open until the process exits
     os.dup2(stderr.fileno(), 2)
     model = make_model()
     engine, *_ = zero3.initialize(model=model, optimizer=torch.optim.AdamW(two_param_groups(model)),
                                   config={**config(MICRO, 1), "checkpoint": {"async_save": True}})
+    out = {"buffer_at_initialize": _buffer_identity(engine), "pinned": engine.checkpointer.snapshot.pinned}
     train(engine, rank, world, 0, 1)
     engine.save_checkpoint(root, tag="good")
+    out["buffer_after_first_save"] = _buffer_identity(engine)
     engine.wait_for_checkpoint()
+    out["first_save_bytes"] = _snapshot_bytes_of(Path(root) / "good" / shard_file(rank, world))
     good = _state(engine)
-    out = {}
     _failing_writes(rank, 1024)
     out["returned"] = engine.save_checkpoint(root, tag="bad1")  # the config's default: asynchronous
     train(engine, rank, world, 1, 1)
@@ -207,6 +243,21 @@ def errors(tmp_path_factory):
     (base / "logs").mkdir()
     results = run_ranks(write_errors, 2, str(base / "ckpt"), str(base / "logs"), timeout=180)
     return base, results
+
+
+def test_the_buffer_is_held_from_initialize_and_the_first_save_allocates_none(errors):
+    from zero3.estimate import estimate_memory
+
+    _, results = errors
+    model = make_model()
+    estimate = estimate_memory(model, 2, {**config(MICRO, 1), "checkpoint": {"async_save": True}}, device_type="cpu")
+    for out in results:
+        held, address = out["buffer_at_initialize"]
+        assert address is not None and not out["pinned"]
+        assert held == out["first_save_bytes"] > 0, (held, out["first_save_bytes"])
+        # the estimate rounds each shard up to ceil(numel / world) elements and aligns nothing
+        assert abs(held - estimate.checkpoint_snapshot) <= len(list(model.parameters())) * 4 * 64
+        assert out["buffer_after_first_save"] == (held, address), out
 
 
 def test_a_failed_background_write_is_raised_at_the_next_save_on_every_rank(errors):

@@ -28,11 +28,17 @@ save_checkpoint or load_checkpoint, `wait()` (engine.wait_for_checkpoint), `clos
 folder without a manifest (or the tag's previous save), which no load picks: `latest`
 still names the previous checkpoint.
 
+Ahead of the first save, `prepare` (the engine calls it at initialize when
+checkpoint.async_save is on, and `engine.prepare_async_checkpoint()` does on demand)
+allocates the snapshot buffer and starts the writer thread, so that the first save blocks
+no longer than the later ones; it is not a collective.
+
 Memory: the snapshot buffer (the rank's checkpoint bytes, about 14 bytes per parameter
-/ world size for bf16 with AdamW) is held from the first asynchronous save until
-`close()`; nothing else of size. Threads: one writer thread per engine, started by the
-first asynchronous save and ended by `close()`; it owns the snapshot's views while a job
-runs.
+/ world size for bf16 with AdamW, 12 for fp32; pinned when a shard or master is on a GPU,
+pageable and written once with zeros otherwise) is held from `prepare`, or else from the
+first asynchronous save, until `close()`; nothing else of size. Threads: one writer thread
+per engine, started by `prepare` or the first asynchronous save and ended by `close()`; it
+owns the snapshot's views while a job runs.
 """
 
 from __future__ import annotations
@@ -59,8 +65,10 @@ from zero3.checkpoint.save_load import (
     begin_save,
     checkpoint_manifest,
     commit_manifest,
+    foreseen_rank_tensors,
     merge_kinds,
     rank_files,
+    warm_up_rank_files,
     write_16bit_file,
     write_rank_files,
 )
@@ -110,7 +118,7 @@ class AsyncCheckpointer:
         self._job: _Job | None = None
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None  # the writer, started by the first save
-        self._buffer_logged = False
+        self._logged_bytes = 0  # the buffer size last logged
         _open.add(self)
 
     @property
@@ -118,6 +126,19 @@ class AsyncCheckpointer:
         """The folder of the save being written now, or None."""
         job = self._job
         return None if job is None or job.done.is_set() else str(job.target.folder)
+
+    def prepare(self, state: TrainingState) -> int:
+        """Allocate now the snapshot buffer a save of `state` needs once the optimizer has
+        stepped (checkpoint/snapshot.py `reserve`: pageable memory written once, or pinned),
+        and start the writer thread; the buffer's bytes. Not a collective. Raises
+        CheckpointError when the host cannot hold the buffer (then none is held)."""
+        self.wait()
+        specs, sources = foreseen_rank_tensors(state)
+        held = self.snapshot.reserve(specs, sources, self.rank)
+        warm_up_rank_files()
+        self._log_buffer()
+        self._start_writer()
+        return held
 
     def save(self, state: TrainingState, save_dir, tag, client_state: dict, save_latest: bool,
              exclude_frozen: bool, tag_validation: str, write_16bit_model: bool) -> bool:
@@ -188,18 +209,36 @@ class AsyncCheckpointer:
         """Hand `job` to the writer thread (started once: starting a thread per save costs
         a scheduling round trip, tens of ms on a busy host, inside the blocking time)."""
         self._job = job
-        if self._thread is None:
-            self._thread = threading.Thread(target=_writer, args=(self._jobs,), daemon=True,
-                                            name=f"zero3-checkpoint-writer-{job.rank}")
-            self._thread.start()
+        self._start_writer()
         self._jobs.put(job)
 
+    def _start_writer(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=_writer, args=(self._jobs,), daemon=True,
+                                            name=f"zero3-checkpoint-writer-{self.rank}")
+            self._thread.start()
+
     def _log_buffer(self) -> None:
-        if not self._buffer_logged:
-            self._buffer_logged = True
+        """Log the buffer's size when it is new (allocated or grown)."""
+        if self._logged_bytes != self.snapshot.held_bytes:
+            self._logged_bytes = self.snapshot.held_bytes
             logger.info("zero3: rank %d holds a %.2f GiB %s host buffer for asynchronous saves",
                         self.rank, self.snapshot.held_bytes / 2**30,
                         "pinned" if self.snapshot.pinned else "pageable")
+
+
+def engine_checkpointer(state: TrainingState, prepare: bool) -> AsyncCheckpointer:
+    """An engine's asynchronous saves, at initialize; with `prepare` (checkpoint.async_save)
+    their buffer allocated and writer started now. A buffer the host cannot hold is left to
+    the first save, which then fails on every rank alike before writing anything."""
+    comm = state.model.comm
+    checkpointer = AsyncCheckpointer(comm.rank, comm.world_size)
+    if prepare:
+        try:
+            checkpointer.prepare(state)
+        except CheckpointError as exc:
+            logger.warning("zero3: rank %d: no asynchronous-save buffer at initialize: %s", comm.rank, exc)
+    return checkpointer
 
 
 WRITER_NICENESS = 10  # below training's threads (and an overlapped host optimizer step) for the CPU

@@ -251,15 +251,16 @@ def _saved_params(table: dict[torch.nn.Parameter, ShardedParam], exclude_frozen:
     return [sp for sp in table.values() if not (exclude_frozen and not sp.requires_grad)]
 
 
-def _rank_tensors(model: ShardedModel, optimizer: OptimizerAccess,
-                  exclude_frozen: bool) -> tuple[list[TensorSpec], list[Callable], dict]:
+def _rank_tensors(model: ShardedModel, optimizer: OptimizerAccess, exclude_frozen: bool,
+                  optimizer_state: dict | None = None) -> tuple[list[TensorSpec], list[Callable], dict]:
     """This rank's tensors: specs, a producer for each (called one at a time, in order),
-    and per parameter {"master": bool, "optim": {key: "elementwise" | "whole"}}."""
+    and per parameter {"master": bool, "optim": {key: "elementwise" | "whole"}}.
+    `optimizer_state`: read instead of the optimizer's own state (None: its own)."""
     specs: list[TensorSpec] = []
     producers: list[Callable[[], torch.Tensor]] = []
     kinds: dict[str, dict[str, Any]] = {}
     masters = optimizer.masters()
-    optimizer_state = optimizer.state()
+    optimizer_state = optimizer.state() if optimizer_state is None else optimizer_state
 
     def add(name: str, tensor: torch.Tensor) -> None:
         specs.append(TensorSpec(name, tensor.dtype, tuple(tensor.shape)))
@@ -445,6 +446,22 @@ def rank_files(state: TrainingState, client_state: dict, exclude_frozen: bool) -
                 "nothing that needs code to load is written"
             ) from exc
     return RankFiles(specs, producers, kinds, rng_data, common_data)
+
+
+def foreseen_rank_tensors(state: TrainingState) -> tuple[list[TensorSpec], list[torch.Tensor]]:
+    """This rank's shard file (specs, tensors) in a save once every master has stepped: the
+    tensors now, frozen parameters included, with the optimizer state a first step has yet
+    to create foreseen as meta tensors (optim/state_probe.py). What sizes the buffer of
+    asynchronous saves before the first one (async_save.py); the tensors are the engine's."""
+    specs, producers, _ = _rank_tensors(state.model, state.optimizer, False, state.optimizer.foreseen_state())
+    return specs, [producer() for producer in producers]
+
+
+def warm_up_rank_files() -> None:
+    """Read the RNG states and pickle them once, for nothing: the first time in a process costs
+    about 10 ms (lazy imports and set-up), which `prepare` of async_save.py takes here rather
+    than the blocking part of the first asynchronous save."""
+    _pickled({"rng": _rng_state(), "rank": 0})
 
 
 def write_rank_files(files: RankFiles, folder: Path, rank: int, world: int) -> dict[str, Any]:

@@ -5,10 +5,16 @@ are written, so the values it writes are copied first, while training is stopped
 one host buffer that this module owns (`HostSnapshot`):
 
 - the buffer is one flat uint8 tensor holding every tensor of the rank's shard file back
-  to back, in the file's order (each slice 64-byte aligned); it is allocated on the first
-  save and kept for the next ones, since allocating, and above all pinning, gigabytes
-  takes longer than copying them. It grows when a save needs more (a save inside an
-  accumulation window also holds the gradient shards) and is freed by `release()`;
+  to back, in the file's order (each slice 64-byte aligned). `reserve` allocates it ahead
+  of the first save (the engine does at initialize when checkpoint.async_save is on, or at
+  `engine.prepare_async_checkpoint()`), sized for a save once the optimizer has stepped,
+  and writes every page of a pageable buffer once (zeros), so the first save copies at
+  the speed of the later ones: an untouched allocation would take a page fault per 4 KiB
+  inside the first copy (3x its time on CPU). Without `reserve`, the first save
+  allocates it. Either way it is kept for the next saves, since allocating, and above all
+  pinning, gigabytes takes longer than copying them. It grows when a save needs more (a
+  save inside an accumulation window also holds the gradient shards) and is freed by
+  `release()`;
 - pinned (page-locked) when any source tensor is on an accelerator, so the copies run at
   the bus's speed, issued on a side stream that first waits for the compute stream's
   work, and awaited before `take` returns: once it returns, training may change the
@@ -69,6 +75,25 @@ class HostSnapshot:
     def pinned(self) -> bool:
         return self._buffer is not None and self._buffer.is_pinned()
 
+    @property
+    def buffer(self) -> torch.Tensor | None:
+        """The buffer itself (None when none is held); the snapshot's, for reading only."""
+        return self._buffer
+
+    def reserve(self, specs: Sequence[TensorSpec], sources: Sequence[torch.Tensor], rank: int) -> int:
+        """Hold, from now on, the buffer a `take` of `specs` from `sources` needs (pinned when a
+        source is on an accelerator), every page of a pageable one written once; the bytes held.
+
+        A buffer already big enough, pinned alike, is kept. `sources` are only looked at
+        for their device (meta tensors stand for state not created yet). Raises
+        CheckpointError when the buffer cannot be allocated (then none is held)."""
+        pin = _pin_for(sources)
+        if not self._fits(snapshot_bytes(specs), pin):
+            buffer = self._buffer_for(snapshot_bytes(specs), pin, rank)
+            if not pin:  # page-locked memory is resident once allocated; pageable is not
+                buffer.zero_()
+        return self.held_bytes
+
     def take(self, specs: Sequence[TensorSpec], producers: Sequence[Callable[[], torch.Tensor]],
              rank: int) -> list[torch.Tensor]:
         """Copy every producer's tensor into the buffer; host views of them, in `specs` order.
@@ -76,10 +101,10 @@ class HostSnapshot:
         Returns once every copy is complete. Raises CheckpointError, before copying
         anything, when the buffer cannot be allocated."""
         sources = [producer() for producer in producers]
-        on_device = [t for t in sources if t.device.type != "cpu"]
-        buffer = self._buffer_for(snapshot_bytes(specs), pin=bool(on_device) and torch.cuda.is_available(), rank=rank)
+        pin = _pin_for(sources)
+        buffer = self._buffer_for(snapshot_bytes(specs), pin=pin, rank=rank)
         views = _views(buffer, specs)
-        if on_device and torch.cuda.is_available():
+        if pin:
             _copy_on_side_stream(views, sources)
         else:
             with torch.no_grad():
@@ -91,10 +116,14 @@ class HostSnapshot:
         """Free the buffer (the next `take` allocates again)."""
         self._buffer = None
 
-    def _buffer_for(self, need: int, pin: bool, rank: int) -> torch.Tensor:
+    def _fits(self, need: int, pin: bool) -> bool:
         current = self._buffer
-        if current is not None and current.numel() >= need and current.is_pinned() == pin:
-            return current
+        return current is not None and current.numel() >= need and current.is_pinned() == pin
+
+    def _buffer_for(self, need: int, pin: bool, rank: int) -> torch.Tensor:
+        """The buffer, allocated anew (untouched) unless it holds `need` bytes, pinned alike."""
+        if self._fits(need, pin):
+            return self._buffer
         self._buffer = None  # the old buffer goes before the new one is allocated
         check_host_memory(need, rank)
         try:
@@ -117,6 +146,11 @@ def check_host_memory(need: int, rank: int) -> None:
         f"masters and optimizer state) and {_gib(HEADROOM_BYTES)} beside it, but only {_gib(available)} of "
         "host memory is available; save synchronously (async_save=False, or checkpoint.async_save: false), "
         "use more ranks, or free host memory; nothing was written")
+
+
+def _pin_for(sources: Sequence[torch.Tensor]) -> bool:
+    """Whether a snapshot of `sources` is pinned: when one is on an accelerator (CUDA here)."""
+    return torch.cuda.is_available() and any(t.device.type not in ("cpu", "meta") for t in sources)
 
 
 def _views(buffer: torch.Tensor, specs: Sequence[TensorSpec]) -> list[torch.Tensor]:

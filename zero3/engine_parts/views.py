@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from zero3.optim.masters import ShardedOptimizer, settle
+from zero3.optim.state_probe import foreseen_state
 from zero3.params.partition import ShardedParam
 from zero3.platform.collectives import Communicator
 
@@ -85,6 +86,14 @@ class OptimizerAccess:
             return {}
         self.sharded.wait()
         return self.sharded.optimizer.state
+
+    def foreseen_state(self) -> dict[Any, dict[str, Any]]:
+        """`state()` as it will be once every master has stepped: a master without state yet
+        gets the state its first step creates, as meta tensors (optim/state_probe.py)."""
+        if self.sharded is None:
+            return {}
+        self.sharded.wait()
+        return foreseen_state(self.sharded.optimizer)
 
     def param_groups(self) -> list[dict[str, Any]]:
         """The client optimizer's param groups (their `params` are the masters)."""
