@@ -16,8 +16,9 @@ reported as `gathered_unit`: the largest unit, in the compute dtype, held whole 
 runs, twice with prefetch) and activations, which depend on the batch and are not counted.
 With checkpoint.async_save, `checkpoint_snapshot` is the host buffer an asynchronous save
 copies a rank's shards, masters and optimizer state into (checkpoint/snapshot.py), held
-from the first save on (pinned on a GPU machine; a save inside an accumulation window
-also holds the gradient shards); it is counted in `host_total`.
+from initialize on (pinned on a GPU machine; a save inside an accumulation window also
+holds the gradient shards); it is counted in `host_total`. The engine's buffer aligns
+each tensor to 64 bytes and holds each shard's own elements, not ceil(numel / world).
 
 The model is an nn.Module (a model built on the meta device costs nothing), a Hugging
 Face config (built on the meta device; needs the `hf` extra), or a parameter count.

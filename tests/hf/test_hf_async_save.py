@@ -7,7 +7,8 @@ one is still being written. A callback records, after each save, the folders pre
 the save in flight. Checks: saves are in flight while training goes on; the rotation never
 deleted the last committed checkpoint while the next was being written (the Trainer's own
 rotation, keeping 1, would have); train() returns with the last save committed and the
-limit honoured; that checkpoint resumes.
+limit honoured; that checkpoint resumes. An engine that only runs forwards (evaluation,
+a reference model) gets no checkpoint.async_save, so it holds no snapshot buffer.
 """
 
 from __future__ import annotations
@@ -61,6 +62,10 @@ def async_trainer(rank: int, world: int, folder: str) -> dict:
     trainer.train()
     out = {"seen": record.seen, "in_flight_after": trainer.zero3_engine.checkpointer.in_flight,
            "folders_after": sorted(p.name for p in (folder / "run").glob("checkpoint-*"))}
+    from zero3.hf import config_fill
+
+    out["inference_checkpoint"] = config_fill.fill_for_inference(trainer.zero3_config, trainer.args,
+                                                                 trainer.model).get("checkpoint", {})
     os.environ.pop("ZERO3_CHECKPOINT_PAUSE")
     resumed = _trainer(folder, "resumed", STEPS + SAVE_EVERY)
     resumed.train(resume_from_checkpoint=str(folder / "run" / f"checkpoint-{STEPS}"))
@@ -95,3 +100,9 @@ def test_training_ends_with_the_last_save_committed_and_the_limit_honoured(run):
     assert (last / "latest").read_text() == f"global_step{STEPS}"
     assert (last / f"global_step{STEPS}" / "manifest.json").is_file()
     assert [out["resumed_steps"] for out in results] == [STEPS + SAVE_EVERY] * 2
+
+
+def test_an_engine_that_only_runs_forwards_has_no_asynchronous_saves(run):
+    _, results = run
+    for out in results:
+        assert "async_save" not in out["inference_checkpoint"], out["inference_checkpoint"]

@@ -126,9 +126,13 @@ TRAINING_ONLY_SECTIONS = ("optimizer", "scheduler")
 
 def fill_for_inference(config: dict, args: Any, model: Any) -> dict:
     """The config of an engine that only runs forwards (evaluation before training, a
-    reference model): stage 2 filled from `model`, no optimizer or scheduler section."""
+    reference model): stage 2 filled from `model`, no optimizer or scheduler section, and
+    no checkpoint.async_save (it never saves: no host buffer is allocated for its saves)."""
     filled = fill_from_model(config, args, model, 0)
-    return {key: value for key, value in filled.items() if key not in TRAINING_ONLY_SECTIONS}
+    inference = {key: value for key, value in filled.items() if key not in TRAINING_ONLY_SECTIONS}
+    if isinstance(inference.get("checkpoint"), dict) and "async_save" in inference["checkpoint"]:
+        inference["checkpoint"] = {k: v for k, v in inference["checkpoint"].items() if k != "async_save"}
+    return inference
 
 
 def model_hidden_size(model: Any) -> int | None:
