@@ -6,9 +6,13 @@ asynchronous ones (`save_checkpoint(..., async_save=True)`), each into a fresh f
 Every save overwrites one tag (`rolling`), so the disk holds at most two copies of the
 state (the committed one and the one being written); a mode's folder is removed at its end.
 Per mode it reports:
-- blocking: the wall time of each save_checkpoint call (the device synchronized before the
-  call), the first save apart (an asynchronous save allocates, and on a GPU pins, its host
-  buffer then);
+- blocking: the wall time of each save_checkpoint call as a user meets it, from a barrier
+  before the call to a barrier after it (the device synchronized, the slowest rank's time),
+  the first save apart from the later ones. With `--async-buffer initialize` (the default)
+  the config has checkpoint.async_save, so initialize allocates the host buffer of
+  asynchronous saves; with `first-save` the first asynchronous save allocates it (and on a
+  GPU pins it), as a script that only passes async_save=True without
+  engine.prepare_async_checkpoint() has it;
 - steps: the median step time of all steps that are not saves, and of the steps that ran
   while an asynchronous save was being written (the step right after a save);
 - the snapshot: this rank's checkpoint bytes, the host copy bandwidth measured on 1 GiB
@@ -26,6 +30,9 @@ used is printed.
 
     # CPU, 2 gloo ranks (spawned), a small Llama:
     python bench/async_save_bench.py --ranks 2 --hidden 512 --layers 8 --vocab 8192 --seq 128
+    # CPU, 2 gloo ranks, a 101M-parameter Llama (0.6 GB of state a rank with AdamW):
+    python bench/async_save_bench.py --ranks 2 --hidden 1024 --layers 8 --vocab 8192 --seq 128 \
+        --steps 12 --save-every auto --auto-min 3
     # one GPU, ~1B Llama full fine-tune in bf16, world size 1:
     torchrun --standalone --nproc_per_node=1 bench/async_save_bench.py --device cuda --dtype bf16 \\
         --hidden 2048 --layers 16 --intermediate 5632 --heads 16 --vocab 32000 --seq 2048 \\
@@ -64,6 +71,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--save-every", default="4", help="steps between saves, or auto (see above)")
     p.add_argument("--auto-min", type=int, default=4, help="auto: the synchronous interval and the least one")
     p.add_argument("--modes", default="sync,async")
+    p.add_argument("--async-buffer", choices=("initialize", "first-save"), default="initialize",
+                   help="when the asynchronous saves' host buffer is allocated (see above)")
     p.add_argument("--dir", default="/tmp/zero3_async_save_bench", help="where the checkpoints go (emptied)")
     options = p.parse_args(argv)
     if options.save_every != "auto" and not options.save_every.isdigit():
@@ -89,6 +98,8 @@ def build_engine(options: argparse.Namespace):
           "zero_optimization": {"stage": 3}}
     if options.dtype == "bf16":
         ds["bf16"] = {"enabled": True}
+    if options.async_buffer == "initialize":  # every save says async_save= itself: only the buffer changes
+        ds["checkpoint"] = {"async_save": True}
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     engine, *_ = zero3.initialize(model=model, optimizer=optimizer, config=ds)
     return engine
@@ -97,6 +108,25 @@ def build_engine(options: argparse.Namespace):
 def synchronize(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
+
+
+def all_ranks_here(device: str) -> None:
+    """The device synchronized and every rank at this point (a barrier)."""
+    import torch.distributed as dist
+
+    synchronize(device)
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def timed_save(engine, options: argparse.Namespace, folder: Path, mode: str) -> float:
+    """Seconds one save stops training as a user meets it: from every rank starting it
+    together to every rank having returned from it (the slowest rank's time)."""
+    all_ranks_here(options.device)
+    start = time.perf_counter()
+    engine.save_checkpoint(str(folder), tag="rolling", async_save=(mode == "async"))
+    all_ranks_here(options.device)
+    return time.perf_counter() - start
 
 
 def copy_bandwidth(device: str) -> float:
@@ -167,6 +197,7 @@ def run_mode(engine, options: argparse.Namespace, mode: str, rank: int, world: i
     if dist.is_initialized():
         dist.barrier()
     generator = torch.Generator().manual_seed(100 + rank)
+    held_before = engine.checkpointer.snapshot.held_bytes
     steps, saves, overlapped = [], [], []
     writing = False
     n_saves = max(1, options.steps // fixed_interval(options))
@@ -184,10 +215,7 @@ def run_mode(engine, options: argparse.Namespace, mode: str, rank: int, world: i
             (overlapped if writing else steps).append(elapsed)
         writing = False
         if step >= 2 and (step - 1) % interval == 0:
-            start = time.perf_counter()
-            engine.save_checkpoint(str(folder), tag="rolling", async_save=(mode == "async"))
-            synchronize(options.device)
-            saves.append(time.perf_counter() - start)
+            saves.append(timed_save(engine, options, folder, mode))
             writing = mode == "async"
             if rank == 0:  # progress, so a run cut short still tells what it measured
                 print(f"# {mode} save {len(saves)} at step {step}: blocked {saves[-1] * 1e3:.0f} ms; "
@@ -200,7 +228,8 @@ def run_mode(engine, options: argparse.Namespace, mode: str, rank: int, world: i
     if rank == 0:
         shutil.rmtree(folder, ignore_errors=True)  # at most two copies of the state on disk at a time
     return {"mode": mode, "saves": saves, "steps": steps, "overlapped": overlapped, "final_wait": final_wait,
-            "snapshot_bytes": engine.checkpointer.snapshot.held_bytes, "interval": interval}
+            "snapshot_bytes": engine.checkpointer.snapshot.held_bytes, "held_before": held_before,
+            "interval": interval}
 
 
 def bench(rank: int, world: int, options: argparse.Namespace) -> None:
@@ -245,8 +274,12 @@ def report(options, world: int, per_rank: list[list[dict]], bandwidth: float, en
     if snapshot:
         print(f"snapshot per rank: {snapshot / 2**30:.3f} GiB -> predicted copy time "
               f"{snapshot / bandwidth * 1e3:.1f} ms")
-    print(f"{'mode':6} {'first save':>10} {'save med':>9} {'save max':>9} {'step med':>9} "
-          f"{'step med during write':>22} {'final wait':>10}   (ms; slowest rank per save)")
+    async_held = [m["held_before"] for m in per_rank[0] if m["mode"] == "async"]
+    if async_held:
+        print(f"asynchronous saves' host buffer before the first async save: {async_held[0] / 2**30:.3f} GiB "
+              f"(--async-buffer {options.async_buffer})")
+    print(f"{'mode':6} {'first save':>10} {'later med':>9} {'later max':>9} {'step med':>9} "
+          f"{'step med during write':>22} {'final wait':>10}   (ms; barrier to barrier, all ranks)")
     summary = {}
     for index, mode_result in enumerate(per_rank[0]):
         mode = mode_result["mode"]
@@ -254,20 +287,27 @@ def report(options, world: int, per_rank: list[list[dict]], bandwidth: float, en
         steps = [s for r in per_rank for s in r[index]["steps"]]
         during = [s for r in per_rank for s in r[index]["overlapped"]]
         later = saves[1:] or saves
-        summary[mode] = {"save": statistics.median(later), "step": statistics.median(steps),
+        summary[mode] = {"first": saves[0], "save": statistics.median(later), "worst": max(saves),
+                         "all": statistics.median(saves), "step": statistics.median(steps),
                          "during": statistics.median(during) if during else None}
         print(f"{mode:6} {_ms(saves[0]):>10} {_ms(statistics.median(later))} {_ms(max(later))} "
               f"{_ms(statistics.median(steps))} {(_ms(statistics.median(during)) if during else '-'):>22} "
               f"{_ms(max(r[index]['final_wait'] for r in per_rank)):>10}")
     if "sync" in summary and "async" in summary:
-        sync, asyn = summary["sync"], summary["async"]
-        print(f"blocking per save (after the first): sync / async = {sync['save'] / asyn['save']:.1f}x")
-        if snapshot:
-            print(f"async blocking / predicted copy time = {asyn['save'] / (snapshot / bandwidth):.2f}")
-        print(f"step time, async vs sync (steps that are not saves): {100 * (asyn['step'] / sync['step'] - 1):+.1f}%")
-        if asyn["during"] is not None:
-            print(f"step time while a save is written vs sync steps: {100 * (asyn['during'] / sync['step'] - 1):+.1f}%")
+        _ratios(summary["sync"], summary["async"], snapshot / bandwidth if snapshot else None)
     sys.stdout.flush()
+
+
+def _ratios(sync: dict, asyn: dict, copy_s: float | None) -> None:
+    """The summary lines comparing the modes (times in seconds)."""
+    print(f"blocking, sync save median / async: first save {sync['all'] / asyn['first']:.1f}x, later saves "
+          f"(median) {sync['all'] / asyn['save']:.1f}x, slowest async save {sync['all'] / asyn['worst']:.1f}x")
+    print(f"async first save / later median = {asyn['first'] / asyn['save']:.2f}")
+    if copy_s:
+        print(f"async blocking (later median) / predicted copy time = {asyn['save'] / copy_s:.2f}")
+    print(f"step time, async vs sync (steps that are not saves): {100 * (asyn['step'] / sync['step'] - 1):+.1f}%")
+    if asyn["during"] is not None:
+        print(f"step time while a save is written vs sync steps: {100 * (asyn['during'] / sync['step'] - 1):+.1f}%")
 
 
 def _spawned(rank: int, world: int, port: int, options: argparse.Namespace) -> None:
