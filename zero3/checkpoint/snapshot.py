@@ -10,7 +10,7 @@ one host buffer that this module owns (`HostSnapshot`):
   `engine.prepare_async_checkpoint()`), sized for a save once the optimizer has stepped,
   and writes every page of a pageable buffer once (zeros), so the first save copies at
   the speed of the later ones: an untouched allocation would take a page fault per 4 KiB
-  inside the first copy (3x its time on CPU). Without `reserve`, the first save
+  inside the first copy (about 3x its time on CPU). Without `reserve`, the first save
   allocates it. Either way it is kept for the next saves, since allocating, and above all
   pinning, gigabytes takes longer than copying them. It grows when a save needs more (a
   save inside an accumulation window also holds the gradient shards) and is freed by
@@ -87,9 +87,9 @@ class HostSnapshot:
         A buffer already big enough, pinned alike, is kept. `sources` are only looked at
         for their device (meta tensors stand for state not created yet). Raises
         CheckpointError when the buffer cannot be allocated (then none is held)."""
-        pin = _pin_for(sources)
-        if not self._fits(snapshot_bytes(specs), pin):
-            buffer = self._buffer_for(snapshot_bytes(specs), pin, rank)
+        need, pin = snapshot_bytes(specs), _pin_for(sources)
+        if not self._fits(need, pin):
+            buffer = self._buffer_for(need, pin, rank)
             if not pin:  # page-locked memory is resident once allocated; pageable is not
                 buffer.zero_()
         return self.held_bytes
