@@ -1178,7 +1178,8 @@ _CHECKPOINT_RULES: dict[str, _Rule] = {
                             "before raising CheckpointArrivalError (default 60)"),
     "async_save": _Map("async_save", _bool,
                        "zero3: save_checkpoint returns once a host snapshot is taken and writes in the "
-                       "background (default false; save_checkpoint(async_save=) overrides it per call)"),
+                       "background (default false; save_checkpoint(async_save=) overrides it per call); "
+                       "initialize allocates the snapshot's host buffer"),
     "load_universal": _off(False, "DeepSpeed's universal checkpoint format is not read by zero3",
                            "Remove the key: zero3 checkpoints load on any world size."),
     "use_node_local_storage": _off(False, "zero3 writes every checkpoint to one shared directory"),
