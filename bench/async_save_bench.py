@@ -119,14 +119,23 @@ def all_ranks_here(device: str) -> None:
         dist.barrier()
 
 
-def timed_save(engine, options: argparse.Namespace, folder: Path, mode: str) -> float:
+def minor_faults() -> int:
+    """Minor page faults of this process so far (every thread): first touches of new memory."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def timed_save(engine, options: argparse.Namespace, folder: Path, mode: str) -> tuple[float, int]:
     """Seconds one save stops training as a user meets it: from every rank starting it
-    together to every rank having returned from it (the slowest rank's time)."""
+    together to every rank having returned from it (the slowest rank's time); and the
+    minor page faults this rank took meanwhile (4 KiB each: a fresh buffer's first touch
+    shows here whatever the machine's load)."""
     all_ranks_here(options.device)
-    start = time.perf_counter()
+    faults, start = minor_faults(), time.perf_counter()
     engine.save_checkpoint(str(folder), tag="rolling", async_save=(mode == "async"))
     all_ranks_here(options.device)
-    return time.perf_counter() - start
+    return time.perf_counter() - start, minor_faults() - faults
 
 
 def copy_bandwidth(device: str) -> float:
@@ -198,7 +207,7 @@ def run_mode(engine, options: argparse.Namespace, mode: str, rank: int, world: i
         dist.barrier()
     generator = torch.Generator().manual_seed(100 + rank)
     held_before = engine.checkpointer.snapshot.held_bytes
-    steps, saves, overlapped = [], [], []
+    steps, saves, faults, overlapped = [], [], [], []
     writing = False
     n_saves = max(1, options.steps // fixed_interval(options))
     for step in range(2 + n_saves * interval + 1):
@@ -215,10 +224,13 @@ def run_mode(engine, options: argparse.Namespace, mode: str, rank: int, world: i
             (overlapped if writing else steps).append(elapsed)
         writing = False
         if step >= 2 and (step - 1) % interval == 0:
-            saves.append(timed_save(engine, options, folder, mode))
+            seconds, save_faults = timed_save(engine, options, folder, mode)
+            saves.append(seconds)
+            faults.append(save_faults)
             writing = mode == "async"
             if rank == 0:  # progress, so a run cut short still tells what it measured
-                print(f"# {mode} save {len(saves)} at step {step}: blocked {saves[-1] * 1e3:.0f} ms; "
+                print(f"# {mode} save {len(saves)} at step {step}: blocked {saves[-1] * 1e3:.0f} ms "
+                      f"({faults[-1]} page faults on rank 0); "
                       f"last step {elapsed * 1e3:.0f} ms", flush=True)
     start = time.perf_counter()
     engine.wait_for_checkpoint()
@@ -227,7 +239,7 @@ def run_mode(engine, options: argparse.Namespace, mode: str, rank: int, world: i
         dist.barrier()
     if rank == 0:
         shutil.rmtree(folder, ignore_errors=True)  # at most two copies of the state on disk at a time
-    return {"mode": mode, "saves": saves, "steps": steps, "overlapped": overlapped, "final_wait": final_wait,
+    return {"mode": mode, "saves": saves, "faults": faults, "steps": steps, "overlapped": overlapped, "final_wait": final_wait,
             "snapshot_bytes": engine.checkpointer.snapshot.held_bytes, "held_before": held_before,
             "interval": interval}
 
@@ -279,23 +291,30 @@ def report(options, world: int, per_rank: list[list[dict]], bandwidth: float, en
         print(f"asynchronous saves' host buffer before the first async save: {async_held[0] / 2**30:.3f} GiB "
               f"(--async-buffer {options.async_buffer})")
     print(f"{'mode':6} {'first save':>10} {'later med':>9} {'later max':>9} {'step med':>9} "
-          f"{'step med during write':>22} {'final wait':>10}   (ms; barrier to barrier, all ranks)")
-    summary = {}
-    for index, mode_result in enumerate(per_rank[0]):
-        mode = mode_result["mode"]
-        saves = [max(r[index]["saves"][i] for r in per_rank) for i in range(len(mode_result["saves"]))]
-        steps = [s for r in per_rank for s in r[index]["steps"]]
-        during = [s for r in per_rank for s in r[index]["overlapped"]]
-        later = saves[1:] or saves
-        summary[mode] = {"first": saves[0], "save": statistics.median(later), "worst": max(saves),
-                         "all": statistics.median(saves), "step": statistics.median(steps),
-                         "during": statistics.median(during) if during else None}
-        print(f"{mode:6} {_ms(saves[0]):>10} {_ms(statistics.median(later))} {_ms(max(later))} "
-              f"{_ms(statistics.median(steps))} {(_ms(statistics.median(during)) if during else '-'):>22} "
-              f"{_ms(max(r[index]['final_wait'] for r in per_rank)):>10}")
+          f"{'step med during write':>22} {'final wait':>10} {'faults first / later max':>25}"
+          "   (ms; barrier to barrier, all ranks; page faults: the rank with most)")
+    summary = {m["mode"]: _mode_row(index, per_rank) for index, m in enumerate(per_rank[0])}
     if "sync" in summary and "async" in summary:
         _ratios(summary["sync"], summary["async"], snapshot / bandwidth if snapshot else None)
     sys.stdout.flush()
+
+
+def _mode_row(index: int, per_rank: list[list[dict]]) -> dict:
+    """Print mode `index`'s row of the table; its summary (seconds)."""
+    mode = per_rank[0][index]["mode"]
+    count = len(per_rank[0][index]["saves"])
+    saves = [max(r[index]["saves"][i] for r in per_rank) for i in range(count)]
+    faults = [max(r[index]["faults"][i] for r in per_rank) for i in range(count)]
+    steps = [s for r in per_rank for s in r[index]["steps"]]
+    during = [s for r in per_rank for s in r[index]["overlapped"]]
+    later = saves[1:] or saves
+    print(f"{mode:6} {_ms(saves[0]):>10} {_ms(statistics.median(later))} {_ms(max(later))} "
+          f"{_ms(statistics.median(steps))} {(_ms(statistics.median(during)) if during else '-'):>22} "
+          f"{_ms(max(r[index]['final_wait'] for r in per_rank)):>10} "
+          f"{f'{faults[0]} / {max(faults[1:] or faults)}':>25}")
+    return {"first": saves[0], "save": statistics.median(later), "worst": max(saves),
+            "all": statistics.median(saves), "step": statistics.median(steps),
+            "during": statistics.median(during) if during else None}
 
 
 def _ratios(sync: dict, asyn: dict, copy_s: float | None) -> None:
