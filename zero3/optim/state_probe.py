@@ -11,7 +11,8 @@ probe's shape (a scalar `step`).
 
 Memory: the probes and their optimizers are a few bytes each, dropped on return; the
 foreseen state is meta tensors (shape and dtype, no storage). The client optimizer is only
-read: its state, param groups and counters are left as they are.
+read: its state, param groups and counters are left as they are (torch's global optimizer
+step hooks, if any are registered, do see the probes' steps).
 """
 
 from __future__ import annotations
