@@ -239,7 +239,8 @@ def run_mode(engine, options: argparse.Namespace, mode: str, rank: int, world: i
         dist.barrier()
     if rank == 0:
         shutil.rmtree(folder, ignore_errors=True)  # at most two copies of the state on disk at a time
-    return {"mode": mode, "saves": saves, "faults": faults, "steps": steps, "overlapped": overlapped, "final_wait": final_wait,
+    return {"mode": mode, "saves": saves, "faults": faults, "steps": steps, "overlapped": overlapped,
+            "final_wait": final_wait,
             "snapshot_bytes": engine.checkpointer.snapshot.held_bytes, "held_before": held_before,
             "interval": interval}
 
