@@ -31,6 +31,7 @@ import logging
 import math
 import os
 import sys
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, NoReturn, Union
 
@@ -173,6 +174,9 @@ class OffloadConfig:
     pin_memory: bool = False  # from_deepspeed fills DeepSpeed's default (True) when a section is given
     # offload_optimizer only: run the CPU update behind the next forward ("auto", True, False)
     overlap_step: bool | str = "auto"
+    # offload_optimizer only: DeepSpeed's ratio, the share of the optimizer state on the host
+    # (None: not given; the placement budget decides, zero3/placement/plan.py)
+    ratio: float | None = None
 
     @property
     def enabled(self) -> bool:
@@ -191,6 +195,22 @@ class LeafModuleConfig:
     classes: tuple[str, ...] = _DEFAULT_LEAF_CLASSES
     names: tuple[str, ...] = ()
     name_suffixes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class PlacementConfig:
+    """The ``placement`` section (zero3 only; DeepSpeed ignores top-level keys it does not know).
+
+    ``gpu_budget``: bytes of device memory the engine's own tensors may hold (parameter
+    shards, gradient shards, masters, optimizer state, resident parameters, gathered units
+    and gradient buckets; activations are outside it); None: "auto", the device's free
+    memory less the activation reserve and a margin. ``activation_reserve``: bytes kept
+    free for activations under the "auto" budget; None: measured over the first
+    accumulation window. Both matter only where something is offloaded.
+    """
+
+    gpu_budget: int | None = None
+    activation_reserve: int | None = None
 
 
 @dataclass(frozen=True)
@@ -304,6 +324,7 @@ class Zero3Config:
     checkpoint_tag_validation: str
     checkpoint_arrival_timeout: float
     checkpoint_async_save: bool
+    placement: PlacementConfig
     throughput_timer_enabled: bool
     throughput_timer_synchronized: bool
     raw: dict
@@ -663,6 +684,43 @@ def _offload_device(key: str, value: Any) -> str:
     return value
 
 
+def _ratio(key: str, value: Any) -> float:
+    """Converter for ``offload_optimizer.ratio``: a number from 0 to 1, as DeepSpeed validates it."""
+    ratio = _float(0.0)(key, value)
+    if ratio > 1.0:
+        _fail(key, value, "must be between 0 and 1", "Write the share of the optimizer state to offload, "
+              "e.g. 0.3 (1.0: all of it, 0.0: none).")
+    return ratio
+
+
+_BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+
+
+def _bytes_or_auto(key: str, value: Any) -> int | None:
+    """Converter: "auto" / null (None), a byte count, or a string such as "40GiB" / "38.5 GB"."""
+    if value is None or value == "auto":
+        return None
+    if isinstance(value, str):
+        match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", value)
+        if match is None or match.group(2).lower() not in _BYTE_UNITS:
+            _fail(key, value, "not a byte size", 'Write "auto", a number of bytes, or e.g. "40GiB" / "38GB".')
+        return int(float(match.group(1)) * _BYTE_UNITS[match.group(2).lower()])
+    return _to_int(key, value, 0)
+
+
+_PLACEMENT_RULES: dict[str, _Rule] = {
+    "gpu_budget": _Map("gpu_budget", _bytes_or_auto,
+                       'zero3 only: device bytes the engine\'s own tensors may hold ("auto", the default: the '
+                       "device's free memory less the activation reserve and a margin; or bytes, \"40GiB\"); "
+                       "what is offloaded but fits stays on the device"),
+    "activation_reserve": _Map("activation_reserve", _bytes_or_auto,
+                               'zero3 only: device bytes left for activations under an "auto" budget ("auto", '
+                               "the default: measured over the first accumulation window, then the state is "
+                               "placed once)"),
+}
+
+
 def _overlap_step(key: str, value: Any) -> bool | str:
     """Converter for ``offload_optimizer.overlap_step``: "auto", true or false."""
     if value is None or value == "auto":
@@ -694,8 +752,10 @@ _OFFLOAD_OPTIMIZER_RULES: dict[str, _Rule] = {
     "pipeline_read": _off(False, f"{_NVME}; pipelined reads are an NVMe feature"),
     "pipeline_write": _off(False, f"{_NVME}; pipelined writes are an NVMe feature"),
     "fast_init": _off(False, f"{_NVME}; fast_init applies to NVMe optimizer state"),
-    "ratio": _off(1.0, "zero3 offloads all optimizer state or none (no partial offload)",
-                  'Remove the key, or set offload_optimizer.device to "none".'),
+    "ratio": _Map("ratio", _ratio, "DeepSpeed's share of the optimizer state on the host (0 to 1): of the "
+                  "fetch units with trainable parameters, in module order, the first int((1 - ratio) * n) keep "
+                  "their optimizer state on the device and step there; without it, placement.gpu_budget "
+                  "decides"),
     "super_offload": _off(False, "SuperOffload (Superchip CPU offload) is not implemented"),
     "overlap_step": _Map("overlap_step", _overlap_step,
                          'zero3 only: "auto" (default), true or false: the CPU optimizer update '
@@ -1270,6 +1330,8 @@ _TOP_RULES: dict[str, _Rule] = {
                                  "drop the last incomplete batch of training_data's loader"),
     "checkpoint": _Map("_checkpoint", _section_values(_CHECKPOINT_RULES, auto_is_default=False),
                        "checkpoint.tag_validation; see the checkpoint table"),
+    "placement": _Map("_placement", _section_values(_PLACEMENT_RULES, auto_is_default=False),
+                      "zero3 only: the GPU memory budget of offloaded state; see the placement table"),
     # accepted with the values zero3 satisfies
     "managed_gradient_accumulation": _Only(_is(True), "true (DeepSpeed's default)",
                                            "zero3 steps the optimizer only at the accumulation boundary",
@@ -1453,6 +1515,7 @@ def from_deepspeed(config: "dict | str | os.PathLike", world_size: int) -> Zero3
         checkpoint_tag_validation=values.get("_checkpoint", {}).get("tag_validation", "WARN"),
         checkpoint_arrival_timeout=values.get("_checkpoint", {}).get("arrival_timeout", 60.0),
         checkpoint_async_save=values.get("_checkpoint", {}).get("async_save", False),
+        placement=PlacementConfig(**values.get("_placement", {})),
         throughput_timer_enabled=timers.get("throughput_timer_enabled", True),
         throughput_timer_synchronized=timers.get("throughput_timer_synchronized", True),
         raw=copy.deepcopy(raw),
@@ -1474,6 +1537,7 @@ _DOC_SECTIONS: tuple[tuple[str, Mapping[str, _Rule], str], ...] = (
     ("fp16", _FP16_RULES, "precision."),
     ("data_types", _DATA_TYPES_RULES, ""),
     ("checkpoint", _CHECKPOINT_RULES, ""),
+    ("placement", _PLACEMENT_RULES, "placement."),
     ("timers", _TIMERS_RULES, ""),
     ("timers.throughput", _THROUGHPUT_RULES, ""),
     ("optimizer", _OPTIMIZER_HEADER, "optimizer."),
@@ -1487,7 +1551,7 @@ _DOC_FIELDS = {
     "_checkpoint": "checkpoint_tag_validation", "enabled": "precision.dtype",
     "check_grad_overflow": "precision.check_grad_overflow", "param_dtype": "checked against precision.dtype",
     "tag_validation": "checkpoint_tag_validation", "arrival_timeout": "checkpoint_arrival_timeout",
-    "async_save": "checkpoint_async_save",
+    "async_save": "checkpoint_async_save", "_placement": "placement",
     "throughput": "throughput_timer_*",
 }
 

@@ -43,6 +43,7 @@ from zero3.compat.engine_surface import EngineSurface
 from zero3.compat.param_status import mark_managed
 from zero3.config import Zero3Config
 from zero3.engine_parts import build, diagnostics, generation
+from zero3.engine_parts import placement as placement_parts
 from zero3.engine_parts.build import EngineError, EngineUsageError
 from zero3.engine_parts.counters import StepCounters
 from zero3.engine_parts.owner import ParamOwner, register, unregister
@@ -105,23 +106,24 @@ class Engine(EngineSurface, nn.Module):
         self.module = model
         self.named_params = list(self.module.named_parameters())
         self.table = build.shard_parameters(self.named_params, init_shards, config, self.comm, self.device)
+        self.units = build_units(self.module, self.table, config.zero.module_granularity_threshold,
+                                 leaf_module=config.zero.leaf_module)
+        client_optimizer = build.resolve_optimizer(config, optimizer, model_parameters, self.module)
+        self.placement, self._budget_choice = placement_parts.agreed_placement(
+            config, self.table, self.units, client_optimizer, self.device, self.comm)
+        placement_parts.settle_parameters(self.table, self.placement, self.comm,
+                                          config.zero.offload_param.enabled and config.zero.offload_param.pin_memory)
         for p in self.table:
             mark_managed(p)  # DeepSpeed's read-only ds_status / ds_shape / ds_numel
         self.param_names = {sp.param: sp.name for sp in self.table.values()}
-        self.units = build_units(self.module, self.table, config.zero.module_granularity_threshold,
-                                 leaf_module=config.zero.leaf_module)
         declare_config_leaves(self.module, config.zero.leaf_module)
-        self.master_device = (
-            torch.device("cpu") if config.zero.offload_optimizer.device == "cpu" else self.device
-        )
-        client_optimizer = build.resolve_optimizer(config, optimizer, model_parameters, self.module)
         background = build.host_step_overlap(config, client_optimizer, self.device)
-        self.reducer = build.build_reducer(config, self.table, self.units, self.comm, self.master_device, background)
+        self.reducer = build.build_reducer(config, self.table, self.units, self.comm, self.placement, background)
         self.late_params = LateParameters(self.table, self.device, self.compute_dtype, self.comm.rank)
         self.fetcher = build.build_fetcher(config, self.module, self.table, self.units, self.comm, self.device,
                                            self._end_backward, self.reducer, self.late_params.adopt, background)
         self.optimizer = build.build_sharded_optimizer(config, client_optimizer, self.table, self.comm,
-                                                       self.master_device, self.fetcher, self.reducer.usage,
+                                                       self.placement, self.fetcher, self.reducer.usage,
                                                        background)
         self.lr_scheduler = build.resolve_scheduler(config, lr_scheduler, self.optimizer)
         self.compiled_units = CompiledUnits(self.units, lambda: self.fetcher.root_forwards)
@@ -139,7 +141,7 @@ class Engine(EngineSurface, nn.Module):
         self.sharded_model = ShardedModel(self.module, self.table, self.comm, self.device, self.compute_dtype)
         self.optimizer_access = OptimizerAccess(self.optimizer)
         self.param_owner = ParamOwner(self.sharded_model, self.optimizer_access, self.fetcher, self.reducer.flush,
-                                      self.master_device)
+                                      self.placement)
 
     def _init_counters(self) -> None:
         """DeepSpeed's counters and timers, and the per-call flags of backward and step."""
@@ -461,7 +463,7 @@ class Engine(EngineSurface, nn.Module):
         """What a checkpoint saves and restores, as the engine holds it now (the scheduler
         is read at each call: it may be replaced after initialize)."""
         return checkpoint_io.TrainingState(self.sharded_model, self.optimizer_access, self.lr_scheduler,
-                                           self.counters, self.loss_scaler, self.master_device, self.zero_grad)
+                                           self.counters, self.loss_scaler, self.placement, self.zero_grad)
 
     # -------------------------------------------------------------- lifetime
     def destroy(self) -> None:

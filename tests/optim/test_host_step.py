@@ -172,10 +172,11 @@ def overlap_settings(rank: int, world: int, cases: list[tuple[dict, dict]]) -> l
 
 def test_overlap_step_errors():
     host = {"offload_param": {"device": "cpu"}}
-    [[no_param_offload, bad_value, auto_on_cpu]] = run_ranks(
+    [[params_on_device, bad_value, auto_on_cpu]] = run_ranks(
         overlap_settings, 1, [({}, {"overlap_step": True}), (host, {"overlap_step": "sometimes"}), (host, {})])
-    assert "EngineError" in no_param_offload and "offload_param" in no_param_offload, no_param_offload
-    assert 'set it to "auto" or false' in no_param_offload
+    # Parameter shards on the device, optimizer side on the host: the host update writes
+    # the device shards back from the worker (optim/masters.py: _upload on a GPU).
+    assert params_on_device == "no error", params_on_device
     assert "ConfigError" in bad_value and "overlap_step" in bad_value and "sometimes" in bad_value, bad_value
     assert auto_on_cpu == "no error"
 

@@ -135,6 +135,7 @@ from zero3.checkpoint.paths import checked_tag
 from zero3.checkpoint.tag_contents import refuse_unknown_entries, replacement_warning, tag_contents
 from zero3.engine_parts.counters import StepCounters
 from zero3.engine_parts.views import OptimizerAccess, ShardedModel
+from zero3.placement.devices import Placement
 from zero3.optim.loss_scaler import LossScaler
 from zero3.params.late_params import LATE_KEY, late_layout, restore_late, unmanaged_parameters
 from zero3.params.partition import ParamState, ShardedParam
@@ -162,14 +163,15 @@ class TrainingState:
     into them in place (shards, fp32 masters, optimizer state and param groups, the
     scheduler, counters and loss scaler) and calls `zero_grad` to drop the gradients of
     the window it replaces. Saved gradient shards are restored as new fp32 tensors on
-    `master_device`, owned by their ShardedParams from then on."""
+    the device `placement` gives each one's optimizer side, owned by their ShardedParams
+    from then on."""
 
     model: ShardedModel
     optimizer: OptimizerAccess
     lr_scheduler: Any
     counters: StepCounters
     loss_scaler: LossScaler | None
-    master_device: torch.device
+    placement: Placement
     zero_grad: Callable[[], None]
 
 
@@ -828,7 +830,7 @@ def _optimizer_state_of(world_size: int, sp: ShardedParam, reader: ShardReader, 
 
 def _apply(state: TrainingState, plan: _Plan, load_lr_scheduler_states: bool, load_module_only: bool) -> None:
     """Write what `plan` holds into the engine's state (every check has passed by now)."""
-    grads = _apply_tensors(state.model, state.optimizer, state.master_device, plan, load_module_only)
+    grads = _apply_tensors(state.model, state.optimizer, state.placement, plan, load_module_only)
     common = plan.common
     if plan.restore_optimizer:
         for group, saved in zip(state.optimizer.param_groups(), common["param_groups"]):
@@ -840,10 +842,10 @@ def _apply(state: TrainingState, plan: _Plan, load_lr_scheduler_states: bool, lo
         sp.grad_shard = grad
 
 
-def _apply_tensors(model: ShardedModel, optimizer: OptimizerAccess, master_device: torch.device, plan: _Plan,
+def _apply_tensors(model: ShardedModel, optimizer: OptimizerAccess, placement: Placement, plan: _Plan,
                    load_module_only: bool) -> list[tuple[ShardedParam, torch.Tensor]]:
     """Parameters, masters, optimizer state, buffers and late parameters from the saved
-    tensors; returns the saved gradient shards (new tensors on `master_device`) to set
+    tensors; returns the saved gradient shards (new tensors where `placement` puts them) to set
     once the gradients of the current window are dropped."""
     masters = optimizer.masters()
     groups = {id(p): g for g in optimizer.param_groups() for p in g["params"]}
@@ -853,7 +855,7 @@ def _apply_tensors(model: ShardedModel, optimizer: OptimizerAccess, master_devic
             if sp.name in plan.manifest["params"]:
                 _apply_param(optimizer, model.comm.world_size, sp, reader, plan, masters, groups)
                 if plan.restore_optimizer and not load_module_only and plan.manifest["params"][sp.name].get("grad"):
-                    grads.append((sp, _saved_grad(master_device, sp, reader, plan)))
+                    grads.append((sp, _saved_grad(placement.state_device(sp), sp, reader, plan)))
         saved_buffers = plan.manifest.get("buffers", {})
         with torch.no_grad():
             for name, buffer in persistent_buffers(model.module).items():

@@ -133,6 +133,30 @@ class ShardedParam:
         release_storage(self.param)
         self.state = ParamState.SHARDED
 
+    def move_shard(self, device: torch.device, pin_memory: bool = False) -> None:
+        """The shard moves to `device` (values kept) as a new tensor: a tensor that was the
+        shard (an fp32 master sharing it) stays where it was, with the same values. Pinned on
+        the host when `pin_memory` and CUDA is there. An aliased shard is the parameter's own
+        storage and never moves."""
+        if self.shard.device == device:
+            return
+        if self.aliased:
+            raise StateError(f"move_shard({self.name}): an aliased shard is the parameter itself")
+        shard = self.shard.to(device, copy=True)
+        if pin_memory and device.type == "cpu" and torch.cuda.is_available():
+            shard = shard.pin_memory()
+        self.shard = shard
+        self.shard_device = device
+
+    def adopt_shard(self, tensor: torch.Tensor) -> None:
+        """`tensor` (same shape, dtype and values) becomes the shard: an fp32 master moved
+        next to its shard is shared with it again."""
+        if tensor.shape != self.shard.shape or tensor.dtype != self.shard.dtype or self.aliased:
+            raise StateError(f"adopt_shard({self.name}): {tuple(tensor.shape)} {tensor.dtype} for a shard of "
+                             f"{tuple(self.shard.shape)} {self.shard.dtype} (aliased: {self.aliased})")
+        self.shard = tensor
+        self.shard_device = tensor.device
+
     def alias_shard(self) -> None:
         """FULL -> FULL, resident for good: the shard becomes a view of the parameter's
         storage (the separate shard copy is freed). Only at world size 1 with the shard

@@ -1,0 +1,178 @@
+"""The engine's placement: the plan made from its real units, and the pieces moved to it.
+
+At initialize (`plan_placement`): each fetch unit's sizes on this rank (its parameter
+shards; its gradient shards, masters and optimizer state from the client optimizer's
+kind), the working set, the budget (zero3/placement/budget.py) -> a `Plan`
+(zero3/placement/plan.py) -> a `Placement` every owner reads. `settle_parameters` then
+puts each parameter shard on its tier and leaves each parameter sharded, resident or
+aliased. Under a measured budget, `MeasuredPlacement` watches the first accumulation
+window and, at its boundary, makes the plan once and moves what now fits onto the device
+(`move_to_plan`): shards by their ShardedParams, masters and optimizer state by the
+sharded optimizer, the host gradient buffer by the gradient sink. Nothing is moved again.
+
+Ownership: the tensors stay their owners'; this module only tells them where to go.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from zero3.config import Zero3Config
+from zero3.params.fetch_unit import FetchUnit
+from zero3.params.partition import ParamState, ShardedParam
+from zero3.params.wire import gather_rows
+from zero3.placement.budget import BudgetChoice, choose_budget, measured_budget
+from zero3.placement.devices import Placement
+from zero3.placement.plan import Plan, PlacementError, PlanInputs, Tier, UnitSize, make_plan
+from zero3.platform.collectives import Communicator
+
+logger = logging.getLogger("zero3")
+
+FP32 = 4
+
+
+def optimizer_state_elements(optimizer: torch.optim.Optimizer | None) -> int:
+    """fp32 state tensors the client optimizer keeps per master element (an upper bound
+    of 2 for a kind not listed)."""
+    if optimizer is None:
+        return 0
+    group = optimizer.param_groups[0] if optimizer.param_groups else {}
+    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        return 3 if group.get("amsgrad") else 2
+    if isinstance(optimizer, torch.optim.SGD):
+        return 1 if group.get("momentum", 0) else 0
+    if isinstance(optimizer, torch.optim.Adagrad):
+        return 1
+    if isinstance(optimizer, torch.optim.RMSprop):
+        return 1 + bool(group.get("centered")) + bool(group.get("momentum", 0))
+    return 2
+
+
+@dataclass(frozen=True)
+class SizeRules:
+    """Bytes per element of each piece, from the config and the optimizer."""
+
+    width: int  # compute dtype
+    master: int  # 0 when the master is the fp32 shard itself
+    states: int  # optimizer state tensors per element
+    reduce_width: int
+
+    @classmethod
+    def of(cls, config: Zero3Config, optimizer: torch.optim.Optimizer | None) -> "SizeRules":
+        width = torch.empty(0, dtype=config.precision.dtype).element_size()
+        reduce_width = torch.empty(0, dtype=config.precision.reduce_dtype).element_size()
+        master = 0 if config.precision.dtype == torch.float32 else FP32
+        return cls(width, master, optimizer_state_elements(optimizer), reduce_width)
+
+    def state_bytes(self, shard_numel: int) -> int:
+        return shard_numel * (FP32 + self.master + FP32 * self.states)
+
+
+def unit_sizes(units: list[FetchUnit], rules: SizeRules, trains: bool) -> tuple[UnitSize, ...]:
+    """Each unit's bytes on this rank, in unit order (module order)."""
+    sizes = []
+    for unit in units:
+        param_bytes = sum(sp.shard_numel * sp.param.element_size() for sp in unit.params)
+        state_bytes = sum(rules.state_bytes(sp.shard_numel) for sp in unit.params if sp.requires_grad) \
+            if trains else 0
+        gathered = sum(sp.numel * sp.param.element_size() for sp in unit.params)
+        sizes.append(UnitSize(unit.name, param_bytes, state_bytes, gathered))
+    return tuple(sizes)
+
+
+def working_set_bytes(config: Zero3Config, table: dict, units: list[FetchUnit], rules: SizeRules) -> int:
+    """Gathered units (at most stage3_max_live_parameters elements, at least the two
+    largest units' worth: one running, one prefetched) and two gradient buckets."""
+    sharded = [sp for sp in table.values() if not sp.persistent]
+    largest = max((sum(sp.numel for sp in u.params) for u in units), default=0)
+    live = min(sum(sp.numel for sp in sharded), max(config.zero.max_live_parameters, 2 * largest))
+    trainable = sum(sp.padded_numel for sp in table.values() if sp.requires_grad)
+    buckets = 2 * min(config.zero.reduce_bucket_size, trainable) * rules.reduce_width
+    return live * rules.width + buckets
+
+
+def resident_bytes(table: dict) -> int:
+    return sum(sp.numel * sp.param.element_size() for sp in table.values() if sp.persistent)
+
+
+def plan_inputs(config: Zero3Config, table: dict, units: list[FetchUnit], optimizer: torch.optim.Optimizer | None,
+                choice: BudgetChoice) -> PlanInputs:
+    rules = SizeRules.of(config, optimizer)
+    zero = config.zero
+    return PlanInputs(
+        units=unit_sizes(units, rules, trains=optimizer is not None),
+        param_offload=zero.offload_param.enabled,
+        state_offload=zero.offload_optimizer.enabled,
+        ratio=zero.offload_optimizer.ratio,
+        budget=choice.budget,
+        resident_bytes=resident_bytes(table),
+        working_bytes=working_set_bytes(config, table, units, rules) if choice.charges_working_set else 0,
+        budget_source=choice.source,
+    )
+
+
+def plan_placement(config: Zero3Config, table: dict, units: list[FetchUnit], optimizer: torch.optim.Optimizer | None,
+                   device: torch.device) -> tuple[Placement, BudgetChoice]:
+    """The placement at initialize (the config's alone when the budget is measured later)."""
+    choice = choose_budget(config, device)
+    plan = make_plan(plan_inputs(config, table, units, optimizer, choice))
+    return placement_of(plan, units, device), choice
+
+
+def agreed_placement(config: Zero3Config, table: dict, units: list[FetchUnit],
+                     optimizer: torch.optim.Optimizer | None, device: torch.device,
+                     comm: Communicator) -> tuple[Placement, BudgetChoice]:
+    """`plan_placement` on every rank, its failure raised on every rank (an "auto" budget
+    differs between ranks, so one rank alone may not fit), the plan logged by rank 0.
+    Collective: one small all-gather."""
+    try:
+        placement, choice = plan_placement(config, table, units, optimizer, device)
+        error = None
+    except PlacementError as exc:
+        placement, choice, error = None, None, str(exc)
+    errors = [(rank, e) for rank, e in enumerate(comm.gather_objects(error)) if e is not None]
+    if errors:
+        rank, first = errors[0]
+        raise PlacementError(first if error == first else f"rank {rank}: {first}")
+    assert placement is not None and choice is not None
+    log_plan(placement.plan, comm.rank)
+    return placement, choice
+
+
+def placement_of(plan: Plan, units: list[FetchUnit], device: torch.device) -> Placement:
+    placement = Placement(device, plan)
+    for unit in units:
+        for sp in unit.params:
+            placement.assign(sp, plan.params_tier(unit.name), plan.state_tier(unit.name))
+    return placement
+
+
+def settle_parameters(table: dict[torch.nn.Parameter, ShardedParam], placement: Placement, comm: Communicator,
+                      pin_memory: bool) -> None:
+    """Each shard onto its tier; then, at world size 1 without collectives, a parameter whose
+    shard and optimizer side are both on the compute device is aliased to its shard
+    (resident for good, stepped in place); other non-persistent parameters are released and
+    persistent ones that arrived partitioned are gathered. Collective (those gathers)."""
+    device = placement.compute_device
+    for sp in table.values():
+        sp.move_shard(placement.param_device(sp), pin_memory)
+        alias = (not comm.active and sp.shard.device == sp.param.device
+                 and placement.state_tier(sp) is Tier.DEVICE and placement.params_tier(sp) is Tier.DEVICE)
+        if alias and sp.state is ParamState.SHARDED:
+            sp.begin_gather()
+            sp.finish_gather(gather_rows(comm, sp.shard, device))
+        if alias:
+            sp.alias_shard()
+        elif sp.state is ParamState.FULL and not sp.persistent:
+            sp.release()
+        elif sp.state is ParamState.SHARDED and sp.persistent:
+            sp.begin_gather()  # partitioned by zero3.Init, resident by the config
+            sp.finish_gather(gather_rows(comm, sp.shard, device))
+
+
+def log_plan(plan: Plan | None, rank: int) -> None:
+    if plan is not None and rank == 0:
+        logger.info("zero3: %s", plan.describe())
