@@ -131,6 +131,9 @@ DEEPSPEED_ZERO_KEYS: tuple[str, ...] = (
     "mics_shard_size", "mics_hierarchical_params_gather", "zeropp_loco_param",
 )
 
+# Top-level sections of zero3's own (DeepSpeed ignores top-level keys it does not know).
+ZERO3_TOP_LEVEL_KEYS: tuple[str, ...] = ("placement",)
+
 DEEPSPEED_OFFLOAD_PARAM_KEYS: tuple[str, ...] = (
     "device", "nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "pin_memory",
 )
@@ -758,9 +761,9 @@ _OFFLOAD_OPTIMIZER_RULES: dict[str, _Rule] = {
                   "decides"),
     "super_offload": _off(False, "SuperOffload (Superchip CPU offload) is not implemented"),
     "overlap_step": _Map("overlap_step", _overlap_step,
-                         'zero3 only: "auto" (default), true or false: the CPU optimizer update '
-                         "runs behind the next forward, unit by unit (with offload_param on the "
-                         'CPU too; "auto": when the compute device is a GPU)'),
+                         'zero3 only: "auto" (default), true or false: the CPU optimizer update of '
+                         "the host-side units runs behind the next forward, unit by unit "
+                         '("auto": when the compute device is a GPU)'),
     "cpuadam_cores_perc": _off(0.8, "zero3 has no DeepSpeed CPU Adam; the key applies only "
                                "with super_offload"),
 }

@@ -109,12 +109,10 @@ class Engine(EngineSurface, nn.Module):
         self.units = build_units(self.module, self.table, config.zero.module_granularity_threshold,
                                  leaf_module=config.zero.leaf_module)
         client_optimizer = build.resolve_optimizer(config, optimizer, model_parameters, self.module)
-        self.placement, self._budget_choice = placement_parts.agreed_placement(
+        self.placement, budget_choice = placement_parts.agreed_placement(
             config, self.table, self.units, client_optimizer, self.device, self.comm)
-        placement_parts.settle_parameters(self.table, self.placement, self.comm,
-                                          config.zero.offload_param.enabled and config.zero.offload_param.pin_memory)
-        for p in self.table:
-            mark_managed(p)  # DeepSpeed's read-only ds_status / ds_shape / ds_numel
+        placement_parts.settle_parameters(self.table, self.placement, self.comm, config.zero.offload_param)
+        mark_managed(self.table)  # DeepSpeed's read-only ds_status / ds_shape / ds_numel
         self.param_names = {sp.param: sp.name for sp in self.table.values()}
         declare_config_leaves(self.module, config.zero.leaf_module)
         background = build.host_step_overlap(config, client_optimizer, self.device)
@@ -126,6 +124,9 @@ class Engine(EngineSurface, nn.Module):
                                                        self.placement, self.fetcher, self.reducer.usage,
                                                        background)
         self.lr_scheduler = build.resolve_scheduler(config, lr_scheduler, self.optimizer)
+        self.placement_watch = placement_parts.MeasuredPlacement(placement_parts.PlacementOwners(
+            config, self.table, self.units, self.placement, self.optimizer, self.reducer.sink, client_optimizer),
+            budget_choice, self.comm.rank)  # moves what fits to the device after a measured first window
         self.compiled_units = CompiledUnits(self.units, lambda: self.fetcher.root_forwards)
         for request in compile_requests:
             self.compiled_units.apply(request)
@@ -134,6 +135,14 @@ class Engine(EngineSurface, nn.Module):
         register(self.param_owner)
         self._destroyed = False
         diagnostics.report_config(config, self.comm.rank)
+
+    def set_gpu_budget(self, budget: int) -> None:
+        """Place the state anew under `budget` bytes of device memory, between steps: what
+        fits moves to the device, the rest to the host (engine_parts/placement.py). Raises
+        PlacementError, moving nothing, when the budget cannot hold what must be there."""
+        self._check_alive()
+        self._settle()
+        self.placement_watch.place_under(int(budget), "set_gpu_budget")
 
     def _build_views(self) -> None:
         """The typed views that checkpoints, exports, GatheredParameters, generation and
@@ -314,6 +323,7 @@ class Engine(EngineSurface, nn.Module):
             self.global_steps += 1
             self.global_samples += self.config.train_batch_size
             self._report_progress()
+            self.placement_watch.after_boundary()
             diagnostics.collect_garbage(self._gc_disabled_here)
         self.tput_timer.stop(global_step=boundary)
         self.micro_steps += 1

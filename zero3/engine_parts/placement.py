@@ -20,7 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-from zero3.config import Zero3Config
+from zero3.config import OffloadConfig, Zero3Config
+from zero3.grads.sink import GradSink
+from zero3.optim.masters import ShardedOptimizer
 from zero3.params.fetch_unit import FetchUnit
 from zero3.params.partition import ParamState, ShardedParam
 from zero3.params.wire import gather_rows
@@ -151,14 +153,14 @@ def placement_of(plan: Plan, units: list[FetchUnit], device: torch.device) -> Pl
 
 
 def settle_parameters(table: dict[torch.nn.Parameter, ShardedParam], placement: Placement, comm: Communicator,
-                      pin_memory: bool) -> None:
+                      offload: OffloadConfig) -> None:
     """Each shard onto its tier; then, at world size 1 without collectives, a parameter whose
     shard and optimizer side are both on the compute device is aliased to its shard
     (resident for good, stepped in place); other non-persistent parameters are released and
     persistent ones that arrived partitioned are gathered. Collective (those gathers)."""
     device = placement.compute_device
     for sp in table.values():
-        sp.move_shard(placement.param_device(sp), pin_memory)
+        sp.move_shard(placement.param_device(sp), offload.enabled and offload.pin_memory)
         alias = (not comm.active and sp.shard.device == sp.param.device
                  and placement.state_tier(sp) is Tier.DEVICE and placement.params_tier(sp) is Tier.DEVICE)
         if alias and sp.state is ParamState.SHARDED:
@@ -176,3 +178,81 @@ def settle_parameters(table: dict[torch.nn.Parameter, ShardedParam], placement: 
 def log_plan(plan: Plan | None, rank: int) -> None:
     if plan is not None and rank == 0:
         logger.info("zero3: %s", plan.describe())
+
+
+# ------------------------------------------------------------- moving to a new plan
+@dataclass
+class PlacementOwners:
+    """Who holds the pieces the placement moves, and what a new plan is made from."""
+
+    config: Zero3Config
+    table: dict[torch.nn.Parameter, ShardedParam]
+    units: list[FetchUnit]
+    placement: Placement
+    optimizer: ShardedOptimizer | None
+    sink: GradSink
+    client_optimizer: torch.optim.Optimizer | None
+
+
+def move_to_plan(owners: PlacementOwners, plan: Plan) -> int:
+    """Every piece whose tier `plan` changes, moved there, between steps (no update in
+    flight, no gradient held); the placement then says `plan`. Returns the parameters moved."""
+    if owners.optimizer is not None:
+        owners.optimizer.wait()
+    placement, moved = owners.placement, 0
+    pin = owners.config.zero.offload_param.pin_memory
+    for unit in owners.units:
+        params, state = plan.params_tier(unit.name), plan.state_tier(unit.name)
+        for sp in unit.params:
+            if (placement.params_tier(sp), placement.state_tier(sp)) == (params, state):
+                continue
+            if owners.optimizer is not None and sp.requires_grad:
+                owners.optimizer.move_side(sp, placement.device_of(state))
+            if not sp.aliased:
+                sp.move_shard(placement.device_of(params), pin)
+            placement.assign(sp, params, state)
+            if owners.optimizer is not None and sp.requires_grad:
+                owners.optimizer.reshare(sp)
+            moved += 1
+    placement.plan = plan
+    owners.sink.placement_changed()
+    if owners.optimizer is not None:
+        owners.optimizer.placement_changed()
+    return moved
+
+
+class MeasuredPlacement:
+    """The "auto" budget with a measured activation reserve: the first accumulation
+    window runs under the config's placement with the device's peak recorded; at its
+    boundary the plan is made once from what that window used, and what fits moves to the
+    device (budget.py says how the budget is computed). Does nothing in any other case."""
+
+    def __init__(self, owners: PlacementOwners, choice: BudgetChoice, rank: int) -> None:
+        self.owners = owners
+        self.rank = rank
+        self.pending = choice.measure_first and owners.placement.compute_device.type == "cuda"
+        if self.pending:
+            torch.cuda.reset_peak_memory_stats(owners.placement.compute_device)
+
+    def after_boundary(self) -> None:
+        """Called after each optimizer step: the first one places the state."""
+        if not self.pending:
+            return
+        self.pending = False
+        device = self.owners.placement.compute_device
+        before = self.owners.placement.plan
+        state_on_device = before.device_bytes if before is not None else 0
+        peak = torch.cuda.max_memory_allocated(device)
+        budget, source = measured_budget(device, peak, state_on_device)
+        self.place_under(budget, source, charges_working_set=False)  # the peak held the working set
+
+    def place_under(self, budget: int, source: str, charges_working_set: bool = True) -> Plan:
+        """A plan under `budget`, and the pieces moved to it. Raises PlacementError, moving
+        nothing, when it cannot hold what must be on the device."""
+        owners = self.owners
+        choice = BudgetChoice(budget, False, charges_working_set, source)
+        plan = make_plan(plan_inputs(owners.config, owners.table, owners.units, owners.client_optimizer, choice))
+        moved = move_to_plan(owners, plan)
+        if self.rank == 0:
+            logger.info("zero3: %s (%d parameters moved)", plan.describe(), moved)
+        return plan

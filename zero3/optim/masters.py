@@ -39,6 +39,8 @@ import torch.distributed as dist
 
 from zero3.grads.usage import GradUsage
 from zero3.optim.host_step import BackgroundStep
+from zero3.optim.state_moves import move_master
+from zero3.optim.write_back import ShardWriteBack, record_current_stream
 from zero3.params.partition import ShardedParam
 from zero3.placement.devices import Placement
 from zero3.placement.plan import Tier
@@ -82,8 +84,7 @@ class ShardedOptimizer:
         self.gradient_clipping = gradient_clipping
         self.check_overflow = check_overflow
         self.pin_memory = pin_memory and torch.cuda.is_available()
-        self._copy_stream: torch.cuda.Stream | None = None  # the worker's host-to-device write-backs
-        self._staging: torch.Tensor | None = None  # pinned, the worker's cast before those copies
+        self.write_back = ShardWriteBack()
         self.params: list[ShardedParam] = []
         self.masters: list[torch.Tensor] = []
         self._last_norm: torch.Tensor | float | None = None
@@ -422,7 +423,7 @@ class ShardedOptimizer:
 
         # The worker's copies into device shards must come after every read of those shards
         # already queued on the compute stream (the backward's gathers).
-        queued = _record_current_stream(self.placement.compute_device)
+        queued = record_current_stream(self.placement.compute_device)
 
         def run(index: int) -> None:
             shadows[index].step()
@@ -452,6 +453,29 @@ class ShardedOptimizer:
             self._shadows[group] = shadow
         return shadow
 
+    # ------------------------------------------------------------ placement
+    def move_side(self, sp: ShardedParam, device: torch.device) -> None:
+        """`sp`'s master and optimizer state to `device`, between steps (optim/state_moves.py)."""
+        self.wait()
+        master = self._master_by_param.get(id(sp))
+        if master is not None:
+            index = next(i for i, m in enumerate(self.masters) if m is master)
+            group = self.optimizer.param_groups[self._client_group_of[index]]
+            move_master(master, self.optimizer.state.get(master, {}), group, device, self.pin_memory)
+
+    def reshare(self, sp: ShardedParam) -> None:
+        """An fp32 master next to its fp32 shard becomes the shard again (one copy)."""
+        master = self._master_by_param.get(id(sp))
+        if (master is not None and master is not sp.shard and not sp.aliased
+                and master.dtype == sp.shard.dtype == torch.float32 and master.device == sp.shard.device):
+            with torch.no_grad():
+                master.copy_(sp.shard)
+            sp.adopt_shard(master)
+
+    def placement_changed(self) -> None:
+        """Sub-groups are made anew from the placement's tiers."""
+        self._shadows.clear()
+
     def wait(self) -> None:
         """Until the update in flight (if any) is complete: call before reading or writing
         masters, optimizer state or parameter shards outside the fetch path."""
@@ -464,53 +488,9 @@ class ShardedOptimizer:
 
 
     def _write_back_shards(self, group: list[int], after: torch.cuda.Event | None = None) -> None:
-        """master -> compute shard (a cast), one fused copy per device pair. From a host
-        master into a device shard (the optimizer side offloaded, the shard not), on the
-        worker thread (`after` given: an event of the compute stream to wait for): cast on
-        the host into a pinned staging buffer, copied on a side stream, complete on return."""
-        pairs: dict[tuple[torch.device, torch.device], tuple[list, list]] = {}
-        for i in group:
-            sp, master = self.params[i], self.masters[i]
-            if master is not sp.shard:
-                shards, sources = pairs.setdefault((sp.shard.device, master.device), ([], []))
-                shards.append(sp.shard)
-                sources.append(master)
-        with torch.no_grad():
-            for (shard_device, master_device), (shards, sources) in pairs.items():
-                if shard_device == master_device:
-                    torch._foreach_copy_(shards, sources)
-                elif after is not None and shard_device.type == "cuda":
-                    self._upload(shards, sources, after)
-                else:
-                    for shard, source in zip(shards, sources):
-                        shard.copy_(source)
-
-    def _upload(self, shards: list[torch.Tensor], sources: list[torch.Tensor], after: torch.cuda.Event) -> None:
-        """Host masters into device shards from the worker thread: one cast on the host
-        into a pinned staging buffer (half the bytes over the bus for 16-bit shards), one
-        asynchronous copy per shard on the side stream, waited for before returning."""
-        total = sum(s.numel() for s in shards)
-        staging = self._staging_for(total, shards[0].dtype)
-        stream = self._side_stream(shards[0].device)
-        stream.wait_event(after)
-        offset = 0
-        with torch.cuda.stream(stream):
-            for shard, source in zip(shards, sources):
-                part = staging[offset:offset + shard.numel()]
-                part.copy_(source)
-                shard.copy_(part, non_blocking=True)
-                offset += shard.numel()
-        stream.synchronize()
-
-    def _staging_for(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        if self._staging is None or self._staging.numel() < numel or self._staging.dtype != dtype:
-            self._staging = torch.empty(numel, dtype=dtype, pin_memory=True)
-        return self._staging
-
-    def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
-        if self._copy_stream is None:
-            self._copy_stream = torch.cuda.Stream(device)
-        return self._copy_stream
+        """master -> compute shard for the parameters of `group` (optim/write_back.py)."""
+        self.write_back.write([(self.params[i].shard, self.masters[i]) for i in group
+                               if self.masters[i] is not self.params[i].shard], after)
 
     def _drop_shard_grads(self) -> None:
         """The window is over: gradient shards dropped, usage forgotten."""
@@ -530,15 +510,6 @@ class ShardedOptimizer:
         (after the update in flight, if any)."""
         self.wait()
         return self._master_by_param.get(id(sp))
-
-
-def _record_current_stream(device: torch.device) -> torch.cuda.Event | None:
-    """An event at the end of what is queued on `device`'s current stream (None off CUDA)."""
-    if device.type != "cuda":
-        return None
-    event = torch.cuda.Event()
-    event.record(torch.cuda.current_stream(device))
-    return event
 
 
 def dist_backend_is_nccl() -> bool:
