@@ -21,6 +21,7 @@ from zero3.params.units import (
     set_z3_leaf_modules_by_suffix,
     unset_z3_leaf_modules,
 )
+from zero3.placement.plan import PlacementError
 from zero3.platform.process_group import add_config_arguments, init_distributed
 from zero3.version import __version__
 from zero3.zero import Init
@@ -29,7 +30,7 @@ DeepSpeedEngine = Engine
 
 __all__ = [
     "CheckpointError", "ConfigError", "DeepSpeedConfigError", "add_config_arguments", "comm", "ops", "runtime", "utils", "DivergenceError", "DeepSpeedEngine", "Engine", "EngineError",
-    "GatheredParameters", "Init", "estimate_memory", "gathered_for_generation", "init_distributed", "initialize",
+    "GatheredParameters", "Init", "PlacementError", "estimate_memory", "gathered_for_generation", "init_distributed", "initialize",
     "register_external_parameter", "set_z3_leaf_modules", "set_z3_leaf_modules_by_name",
     "set_z3_leaf_modules_by_suffix", "unset_z3_leaf_modules", "zero",
 ]

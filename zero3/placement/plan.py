@@ -143,6 +143,9 @@ def make_plan(inputs: PlanInputs) -> Plan:
             left = _fill_params(units, params, left)
         if inputs.state_offload and inputs.ratio is None:
             _fill_states(units, params, state, left)
+    for unit in units:
+        if unit.frozen:  # no optimizer side: say it is where the shard is
+            state[unit.name] = params[unit.name]
     placed = tuple(UnitPlacement(u.name, params[u.name], state[u.name]) for u in units)
     device = inputs.resident_bytes + inputs.working_bytes + _bytes_on(units, params, state, Tier.DEVICE)
     host = _bytes_on(units, params, state, Tier.HOST)
