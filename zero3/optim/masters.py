@@ -412,6 +412,8 @@ class ShardedOptimizer:
         """Hand the update to the worker, one shadow optimizer per sub-group, with the
         client's hyper-parameters as they are now."""
         shadows = [self._shadow(tuple(group)) for group in groups]
+        if grad_scale is not None and grad_scale.device.type != "cpu":
+            grad_scale = grad_scale.cpu()  # here, not by the kernel's asynchronous copy on the worker
         for shadow in shadows:
             shadow.state = self.optimizer.state  # rebound each step: load_state_dict replaces it
             shadow.grad_scale = grad_scale

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The placement's GPU runs (one lent card), logs into $OUT (or bench/out):
+#   STAGE=checks  tests/gpu/placement_checks.py at world size 1 (NCCL) and 2 (gloo, one card)
+#   STAGE=3b      bench/placement_bench.py: a 3.1B Llama full fine-tune, resident / offload under
+#                 the auto budget at micro-batch 2 and 4, plain PyTorch bf16 beside it
+#   STAGE=7b      the same for a 6.7B Llama (does not fit resident): auto budget, accumulation
+set -u
+out=${OUT:-bench/out}
+mkdir -p "$out"
+source bench/carried_wheels.sh
+export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=8 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+stage=${STAGE:-checks,3b}
+if [[ $stage == *checks* ]]; then
+    timeout 150 torchrun --standalone --nproc_per_node=1 tests/gpu/placement_checks.py --backend nccl \
+        2>&1 | tee "$out/placement_checks_w1.log" | grep -E "^(PASS|FAIL|CHECKS)|Error|error" | head -30
+    timeout 150 torchrun --standalone --nproc_per_node=2 tests/gpu/placement_checks.py --backend gloo \
+        2>&1 | tee "$out/placement_checks_w2.log" | grep -E "^(PASS|FAIL|CHECKS)|Error|error" | head -30
+fi
+llama_3b="--layers 26 --width 3072 --intermediate 8192 --heads 24 --seq 2048"
+if [[ $stage == *3b* ]]; then
+    timeout ${BENCH_TIMEOUT:-330} torchrun --standalone --nproc_per_node=1 bench/placement_bench.py $llama_3b \
+        --cases "${CASES_3B:-resident:2,auto:2,auto:4,plain_bf16:2}" --steps 6 --warmup 3 \
+        2>&1 | tee "$out/placement_3b.log" | grep -v Warning
+fi
+llama_7b="--layers 32 --width 4096 --intermediate 11008 --heads 32 --seq 2048"
+if [[ $stage == *7b* ]]; then
+    timeout ${BENCH_TIMEOUT:-420} torchrun --standalone --nproc_per_node=1 bench/placement_bench.py $llama_7b \
+        --cases "${CASES_7B:-auto:2,auto:4}" --steps 4 --warmup 3 \
+        2>&1 | tee "$out/placement_7b.log" | grep -v Warning
+fi
