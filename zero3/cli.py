@@ -8,6 +8,7 @@
     zero3 estimate (--params N [--trainable N] | --model-config config.json) --world-size W
                    [--config ds_config.json] [--dtype ...] [--offload-param] [--offload-optimizer]
                    [--persistence-threshold N] [--optimizer adamw|sgd|sgd-momentum] [--json]
+                   [--gpu-budget BYTES | --gpu-memory BYTES] [--activation-reserve BYTES] [--ratio R]
 
 DIR is a save_dir (holding tags and `latest`) or one tag folder. Without --tag, verify
 and export take the checkpoint a tag-less `engine.load_checkpoint(DIR)` would load.
@@ -251,6 +252,8 @@ def _estimate_config(args: argparse.Namespace) -> dict:
             config[args.dtype] = {"enabled": True}
     if args.async_checkpoint:
         config.setdefault("checkpoint", {})["async_save"] = True
+    if args.ratio is not None:
+        zero.setdefault("offload_optimizer", {"device": "cpu"})["ratio"] = args.ratio
     if args.optimizer:
         momentum = 0.9 if args.optimizer == "sgd-momentum" else 0.0
         config["optimizer"] = ({"type": "AdamW", "params": {"lr": 1e-3}} if args.optimizer == "adamw"
@@ -280,7 +283,28 @@ def estimate(args: argparse.Namespace) -> int:
     else:
         print(f"  plus the largest fetch unit gathered while it runs ({_human(result.gathered_unit)}, "
               "twice with prefetch) and activations")
+    if args.gpu_budget or args.gpu_memory or args.ratio is not None:
+        _print_placement(args, model)
     return 0
+
+
+def _print_placement(args: argparse.Namespace, model) -> None:
+    """The placement the engine would make (estimate.estimate_placement) and its peak."""
+    from zero3.config import bytes_or_auto
+    from zero3.estimate import estimate_placement
+    from zero3.placement.budget import margin
+
+    reserve = bytes_or_auto("--activation-reserve", args.activation_reserve) or 0
+    budget = bytes_or_auto("--gpu-budget", args.gpu_budget) if args.gpu_budget else None
+    if args.gpu_memory:
+        capacity = bytes_or_auto("--gpu-memory", args.gpu_memory)
+        budget = max(capacity - reserve - margin(capacity), 0)
+    found = estimate_placement(model, args.world_size, _estimate_config(args), budget, reserve, args.trainable)
+    print(found.plan.describe())
+    for unit in found.plan.units:
+        print(f"  {unit.name:40} shards: {unit.params.value:6}  optimizer: {unit.state.value}")
+    print(f"predicted device peak: {_human(found.predicted_peak)} (engine {_human(found.plan.device_bytes)} "
+          f"+ activations {_human(reserve)})")
 
 
 # ------------------------------------------------------------------------ main
@@ -330,6 +354,14 @@ def _parser() -> argparse.ArgumentParser:
                    help="checkpoint.async_save: count the host buffer of asynchronous saves")
     p.add_argument("--optimizer", choices=["adamw", "sgd", "sgd-momentum"], help="default: the config's, else AdamW")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--gpu-budget", help='placement.gpu_budget: bytes the engine\'s tensors may hold on the GPU '
+                   '("40GiB"); prints the placement and the predicted peak')
+    p.add_argument("--gpu-memory", help="instead of --gpu-budget: the card's memory (\"80GB\"); the budget is it "
+                   "less --activation-reserve and the engine's margin, as the engine's auto budget")
+    p.add_argument("--activation-reserve", default="0", help="activations at your micro-batch (the engine logs "
+                   "what it measured after its first window under an auto budget); added to the predicted peak")
+    p.add_argument("--ratio", type=float, help="offload_optimizer.ratio (DeepSpeed's share of the optimizer "
+                   "state on the host)")
     return parser
 
 

@@ -700,7 +700,7 @@ _BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**1
                "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
 
 
-def _bytes_or_auto(key: str, value: Any) -> int | None:
+def bytes_or_auto(key: str, value: Any) -> int | None:
     """Converter: "auto" / null (None), a byte count, or a string such as "40GiB" / "38.5 GB"."""
     if value is None or value == "auto":
         return None
@@ -713,11 +713,11 @@ def _bytes_or_auto(key: str, value: Any) -> int | None:
 
 
 _PLACEMENT_RULES: dict[str, _Rule] = {
-    "gpu_budget": _Map("gpu_budget", _bytes_or_auto,
+    "gpu_budget": _Map("gpu_budget", bytes_or_auto,
                        'zero3 only: device bytes the engine\'s own tensors may hold ("auto", the default: the '
                        "device's free memory less the activation reserve and a margin; or bytes, \"40GiB\"); "
                        "what is offloaded but fits stays on the device"),
-    "activation_reserve": _Map("activation_reserve", _bytes_or_auto,
+    "activation_reserve": _Map("activation_reserve", bytes_or_auto,
                                'zero3 only: device bytes left for activations under an "auto" budget ("auto", '
                                "the default: measured over the first accumulation window, then the state is "
                                "placed once)"),

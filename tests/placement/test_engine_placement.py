@@ -20,10 +20,18 @@ GA = 2
 STEPS = 4
 
 
-def build(budget, seed: int = 0, offload: bool = True):
+def build(budget, seed: int = 0, offload: bool = True, leaf_blocks: bool = False):
     import zero3
 
     model = make_model(seed=seed)
+    if leaf_blocks:
+        zero3.set_z3_leaf_modules(model, [type(model.blocks[0])])
+    engine, *_ = zero3.initialize(model=model, optimizer=torch.optim.AdamW(two_param_groups(model)),
+                                  config=config_for(budget, offload))
+    return engine
+
+
+def config_for(budget, offload: bool = True) -> dict:
     zero = {"stage": 3, "stage3_param_persistence_threshold": 30, "reduce_bucket_size": 500}
     if offload:
         zero["offload_param"] = {"device": "cpu"}
@@ -34,9 +42,7 @@ def build(budget, seed: int = 0, offload: bool = True):
                                                           "warmup_num_steps": 3}}}
     if budget is not None:
         config["placement"] = {"gpu_budget": budget}
-    engine, *_ = zero3.initialize(model=model, optimizer=torch.optim.AdamW(two_param_groups(model)),
-                                  config=config)
-    return engine
+    return config
 
 
 def train(engine, rank: int, world: int, first: int, last: int) -> list[float]:
@@ -90,6 +96,7 @@ def device_tier_bytes(engine) -> int:
 
 def placement_run(rank: int, world: int, folder: str):
     import zero3
+    from zero3.estimate import estimate_placement
     from zero3.placement.plan import PlacementError
 
     reference = build(None, offload=False)
@@ -119,6 +126,13 @@ def placement_run(rank: int, world: int, folder: str):
     resumed.load_checkpoint(folder, tag="half")
     resumed_losses = train(resumed, rank, world, 2, STEPS)
 
+    # `zero3 estimate` makes the engine's plan (decoder blocks as leaf units, as it assumes).
+    leafy = build(part, leaf_blocks=True)
+    estimated = estimate_placement(make_model(), world, config_for(part), part).plan
+    engine_plan = leafy.placement.plan
+    same_plan = ({u.name: u for u in estimated.units} == {u.name: u for u in engine_plan.units if u.name in
+                                                          {e.name for e in estimated.units}}
+                 and estimated.device_bytes == engine_plan.device_bytes and estimated.host_bytes == engine_plan.host_bytes)
     try:
         build(1000)
         too_small = "no error"
@@ -133,7 +147,8 @@ def placement_run(rank: int, world: int, folder: str):
         "group_tiers": group_tiers, "budget": part, "planned_device": plan.device_bytes,
         # the tensors on the device tier, counted, with the working set the plan charges
         "counted": device_tier_bytes(partial) + plan.fixed_bytes - _resident_bytes(partial),
-        "too_small": too_small, "zero3_error_class": zero3.PlacementError is PlacementError,
+        "too_small": too_small, "estimate_is_the_engine_plan": same_plan,
+        "estimate_plan": estimated.describe(), "engine_plan": engine_plan.describe(), "zero3_error_class": zero3.PlacementError is PlacementError,
     }
 
 
@@ -162,3 +177,4 @@ def test_placement_under_a_budget_trains_moves_and_resumes_exactly(tmp_path, wor
         assert r["counted"] <= r["planned_device"] <= r["budget"], (r["counted"], r["planned_device"], r["budget"])
         assert "budget" in r["too_small"] and "gathered" in r["too_small"] and "GiB" in r["too_small"]
         assert r["zero3_error_class"]
+        assert r["estimate_is_the_engine_plan"], (r["estimate_plan"], r["engine_plan"])

@@ -29,11 +29,10 @@ from zero3.params.wire import gather_rows
 from zero3.placement.budget import BudgetChoice, choose_budget, measured_budget
 from zero3.placement.devices import Placement
 from zero3.placement.plan import Plan, PlacementError, PlanInputs, Tier, UnitSize, make_plan
+from zero3.placement.sizes import state_bytes_per_element, working_set_bytes
 from zero3.platform.collectives import Communicator
 
 logger = logging.getLogger("zero3")
-
-FP32 = 4
 
 
 def optimizer_state_elements(optimizer: torch.optim.Optimizer | None) -> int:
@@ -55,22 +54,17 @@ def optimizer_state_elements(optimizer: torch.optim.Optimizer | None) -> int:
 
 @dataclass(frozen=True)
 class SizeRules:
-    """Bytes per element of each piece, from the config and the optimizer."""
+    """Bytes per element of each piece, from the config and the optimizer (placement/sizes.py)."""
 
     width: int  # compute dtype
-    master: int  # 0 when the master is the fp32 shard itself
-    states: int  # optimizer state tensors per element
+    per_state_element: int  # gradient shard, master, optimizer state
     reduce_width: int
 
     @classmethod
     def of(cls, config: Zero3Config, optimizer: torch.optim.Optimizer | None) -> "SizeRules":
         width = torch.empty(0, dtype=config.precision.dtype).element_size()
         reduce_width = torch.empty(0, dtype=config.precision.reduce_dtype).element_size()
-        master = 0 if config.precision.dtype == torch.float32 else FP32
-        return cls(width, master, optimizer_state_elements(optimizer), reduce_width)
-
-    def state_bytes(self, shard_numel: int) -> int:
-        return shard_numel * (FP32 + self.master + FP32 * self.states)
+        return cls(width, state_bytes_per_element(width, optimizer_state_elements(optimizer)), reduce_width)
 
 
 def unit_sizes(units: list[FetchUnit], rules: SizeRules, trains: bool) -> tuple[UnitSize, ...]:
@@ -78,22 +72,20 @@ def unit_sizes(units: list[FetchUnit], rules: SizeRules, trains: bool) -> tuple[
     sizes = []
     for unit in units:
         param_bytes = sum(sp.shard_numel * sp.param.element_size() for sp in unit.params)
-        state_bytes = sum(rules.state_bytes(sp.shard_numel) for sp in unit.params if sp.requires_grad) \
+        state_bytes = sum(sp.shard_numel for sp in unit.params if sp.requires_grad) * rules.per_state_element \
             if trains else 0
         gathered = sum(sp.numel * sp.param.element_size() for sp in unit.params)
         sizes.append(UnitSize(unit.name, param_bytes, state_bytes, gathered))
     return tuple(sizes)
 
 
-def working_set_bytes(config: Zero3Config, table: dict, units: list[FetchUnit], rules: SizeRules) -> int:
-    """Gathered units (at most stage3_max_live_parameters elements, at least the two
-    largest units' worth: one running, one prefetched) and two gradient buckets."""
-    sharded = [sp for sp in table.values() if not sp.persistent]
-    largest = max((sum(sp.numel for sp in u.params) for u in units), default=0)
-    live = min(sum(sp.numel for sp in sharded), max(config.zero.max_live_parameters, 2 * largest))
-    trainable = sum(sp.padded_numel for sp in table.values() if sp.requires_grad)
-    buckets = 2 * min(config.zero.reduce_bucket_size, trainable) * rules.reduce_width
-    return live * rules.width + buckets
+def working_set(config: Zero3Config, table: dict, units: list[FetchUnit], rules: SizeRules) -> int:
+    """The working set of this engine's units (placement/sizes.py)."""
+    return working_set_bytes(
+        [sum(sp.numel for sp in u.params) for u in units],
+        sum(sp.numel for sp in table.values() if not sp.persistent), config.zero.max_live_parameters, rules.width,
+        sum(sp.padded_numel for sp in table.values() if sp.requires_grad), config.zero.reduce_bucket_size,
+        rules.reduce_width)
 
 
 def resident_bytes(table: dict) -> int:
@@ -111,7 +103,7 @@ def plan_inputs(config: Zero3Config, table: dict, units: list[FetchUnit], optimi
         ratio=zero.offload_optimizer.ratio,
         budget=choice.budget,
         resident_bytes=resident_bytes(table),
-        working_bytes=working_set_bytes(config, table, units, rules) if choice.charges_working_set else 0,
+        working_bytes=working_set(config, table, units, rules) if choice.charges_working_set else 0,
         budget_source=choice.source,
     )
 
