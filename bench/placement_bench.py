@@ -2,7 +2,11 @@
 """Offload under a GPU memory budget against the GPU-resident run, world size 1, one process.
 
     torchrun --standalone --nproc_per_node=1 bench/placement_bench.py --layers 26 --width 3072 \
-        --intermediate 8192 --heads 24 --seq 2048 --cases resident:2,auto:2,auto:4,plain_bf16:2
+        --intermediate 8192 --heads 24 --seq 2048 --cases auto:2 --rows rows.jsonl
+    python3 bench/placement_bench.py --table rows.jsonl
+
+Run one case per process (bench/placement_gpu.sh does): a destroyed engine's GPU memory is
+not all returned while the process lives, so a case run after another sees less free memory.
 
 A case is `kind:micro_batch`:
 - `resident`: zero3 with nothing offloaded (every piece on the GPU);
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import resource
 import statistics
@@ -34,7 +39,7 @@ import time
 import torch
 import torch.distributed as dist
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.environ.get("ZERO3_TREE") or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 
@@ -50,6 +55,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--cases", default="resident:2,auto:2,auto:4")
     p.add_argument("--cap-gib", type=float, default=None, help="torch.cuda.set_per_process_memory_fraction")
+    p.add_argument("--rows", default=None, help="append each case's result to this JSON-lines file")
+    p.add_argument("--table", default=None, help="only print the table of a --rows file and exit")
     return p.parse_args()
 
 
@@ -81,7 +88,7 @@ def zero3_case(args, kind: str, micro: int):
     model = build_llama(args)
     zero = {"stage": 3, "stage3_param_persistence_threshold": 0}
     config = {"train_micro_batch_size_per_gpu": micro, "gradient_clipping": 1.0, "bf16": {"enabled": True},
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "weight_decay": 0.0}}, "steps_per_print": 0,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "weight_decay": 0.0}}, "steps_per_print": None,
               "zero_optimization": zero}
     if kind != "resident":
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
@@ -92,17 +99,32 @@ def zero3_case(args, kind: str, micro: int):
     zero3.set_z3_leaf_modules(model, [LlamaDecoderLayer])
     engine, *_ = zero3.initialize(model=model, config=config)
 
+    calls = [0]
+
     def step(tokens):
         loss = engine(tokens)
+        phases = [("forward", _memory())]
         engine.backward(loss)
+        phases.append(("backward", _memory()))
         engine.step()
+        phases.append(("step", _memory()))
+        calls[0] += 1
+        if calls[0] <= 3:
+            print(f"  step {calls[0]}: " + ", ".join(f"after {name} {now:.2f} GiB (peak {peak:.2f})"
+                                                    for name, (now, peak) in phases), flush=True)
         return loss
 
     def describe():
-        plan = engine.placement.plan
-        return plan.describe() if plan is not None else "placement: none"
+        plan = getattr(getattr(engine, "placement", None), "plan", None)
+        return plan.describe() if plan is not None else "placement: none (all offloaded as configured)"
+
+    print(f"  after initialize: {_memory()[0]:.2f} GiB allocated", flush=True)
 
     return step, describe, lambda: engine.destroy()
+
+
+def _memory() -> tuple[float, float]:
+    return torch.cuda.memory_allocated() / (1 << 30), torch.cuda.max_memory_allocated() / (1 << 30)
 
 
 class _Wrapped(torch.nn.Module):
@@ -164,8 +186,24 @@ def run_case(args, kind: str, micro: int, params: int) -> dict:
     return result
 
 
+def print_table(rows: list[dict]) -> None:
+    """Each case against the resident run at its micro-batch (or the largest resident one)."""
+    base = {r["micro"]: r for r in rows if r["kind"] == "resident"}
+    print("\n| case | micro | ms/step | tokens/s | TFLOPS | peak GiB | tokens/s vs resident (its micro, else the largest) |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        ref = base.get(r["micro"]) or (base[max(base)] if base else None)
+        ratio = f"{r['tokens_s'] / ref['tokens_s']:.3f} (resident micro {ref['micro']})" if ref else "-"
+        print(f"| {r['kind']} | {r['micro']} | {r['step_ms']:.1f} | {r['tokens_s']:.0f} | {r['tflops']:.1f} | "
+              f"{r['peak_gib']:.2f} | {ratio} |")
+
+
 def main() -> None:
     args = parse()
+    if args.table:
+        with open(args.table) as f:
+            print_table([json.loads(line) for line in f if line.strip()])
+        return
     dist.init_process_group("nccl")
     torch.cuda.set_device(0)
     if args.cap_gib:
@@ -193,14 +231,11 @@ def main() -> None:
               f"peak {row['peak_gib']:.2f} GiB, host RSS {row['host_rss_gib']:.1f} GiB, init {row['init_s']:.1f} s, "
               f"warm-up steps {row['first_steps_ms']} ms\n  {row['plan']}\n  losses {[round(x, 4) for x in row['losses']]}",
               flush=True)
-    base = {r["micro"]: r for r in rows if r["kind"] == "resident"}
-    print("\n| case | micro | ms/step | tokens/s | TFLOPS | peak GiB | vs resident (same micro) |")
-    print("|---|---|---|---|---|---|---|")
-    for r in rows:
-        ref = base.get(r["micro"]) or (base[max(base)] if base else None)
-        ratio = f"{r['tokens_s'] / ref['tokens_s']:.3f}" if ref else "-"
-        print(f"| {r['kind']} | {r['micro']} | {r['step_ms']:.1f} | {r['tokens_s']:.0f} | {r['tflops']:.1f} | "
-              f"{r['peak_gib']:.2f} | {ratio} |")
+    if args.rows:
+        with open(args.rows, "a") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+    print_table(rows)
     dist.destroy_process_group()
 
 
