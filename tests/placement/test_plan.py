@@ -112,3 +112,16 @@ def test_config_reads_sizes_and_refuses_nonsense():
             parse(bad)
     with pytest.raises(ConfigError, match="between 0 and 1"):
         parse(ratio=1.5)
+
+
+def test_widening_brings_more_to_the_device_and_nothing_back():
+    from zero3.placement.plan import widened
+
+    first = plan_under(RESIDENT + WORKING + 210 + 400)  # block0's optimizer side on the device
+    inputs = PlanInputs(UNITS, True, True, None, RESIDENT + WORKING + 210 + 880, RESIDENT, WORKING, "more")
+    wider = widened(first, make_plan(inputs), inputs)
+    assert all(u.params is Tier.DEVICE and u.state is Tier.DEVICE for u in wider.units)
+    assert wider.device_bytes == RESIDENT + WORKING + 1090 and wider.host_bytes == 0
+    # A proposal that would put less on the device takes nothing away.
+    smaller = PlanInputs(UNITS, True, True, None, RESIDENT + WORKING, RESIDENT, WORKING, "less")
+    assert tiers(widened(first, make_plan(smaller), smaller)) == tiers(first)

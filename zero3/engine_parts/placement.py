@@ -28,7 +28,7 @@ from zero3.params.partition import ParamState, ShardedParam
 from zero3.params.wire import gather_rows
 from zero3.placement.budget import BudgetChoice, choose_budget, measured_budget
 from zero3.placement.devices import Placement
-from zero3.placement.plan import Plan, PlacementError, PlanInputs, Tier, UnitSize, make_plan
+from zero3.placement.plan import Plan, PlacementError, PlanInputs, Tier, UnitSize, make_plan, widened
 from zero3.placement.sizes import state_bytes_per_element, working_set_bytes
 from zero3.platform.collectives import Communicator
 
@@ -216,27 +216,52 @@ def move_to_plan(owners: PlacementOwners, plan: Plan) -> int:
 class MeasuredPlacement:
     """The "auto" budget with a measured activation reserve: the first accumulation
     window runs under the config's placement with the device's peak recorded; at its
-    boundary the plan is made once from what that window used, and what fits moves to the
-    device (budget.py says how the budget is computed). Does nothing in any other case."""
+    boundary the plan is made from what that window used, and what fits moves to the
+    device. The second window, under that plan, is measured too (its transients are the
+    placed run's own: fewer host copies than the first window's): where it leaves more room,
+    more pieces move to the device once more, none back (budget.py says how each budget is
+    computed). Does nothing in any other case."""
+
+    ROUNDS = 2
 
     def __init__(self, owners: PlacementOwners, choice: BudgetChoice, rank: int) -> None:
         self.owners = owners
         self.rank = rank
-        self.pending = choice.measure_first and owners.placement.compute_device.type == "cuda"
-        if self.pending:
+        measuring = choice.measure_first and owners.placement.compute_device.type == "cuda"
+        self.rounds_left = self.ROUNDS if measuring else 0
+        if measuring:
             torch.cuda.reset_peak_memory_stats(owners.placement.compute_device)
 
+    @property
+    def pending(self) -> bool:
+        return self.rounds_left > 0
+
     def after_boundary(self) -> None:
-        """Called after each optimizer step: the first one places the state."""
-        if not self.pending:
+        """Called after each optimizer step: the first two place the state."""
+        if not self.rounds_left:
             return
-        self.pending = False
+        self.rounds_left -= 1
         device = self.owners.placement.compute_device
         before = self.owners.placement.plan
         state_on_device = before.device_bytes if before is not None else 0
-        peak = torch.cuda.max_memory_allocated(device)
-        budget, source = measured_budget(device, peak, state_on_device)
-        self.place_under(budget, source, charges_working_set=False)  # the peak held the working set
+        budget, source = measured_budget(device, torch.cuda.max_memory_allocated(device), state_on_device)
+        if self.rounds_left == self.ROUNDS - 1:
+            self.place_under(budget, source, charges_working_set=False)  # the peak held the working set
+        elif before is not None and before.budget is not None and budget > before.budget:
+            self._widen(before, budget, source + " (second window)")
+        torch.cuda.reset_peak_memory_stats(device)
+
+    def _widen(self, current: Plan, budget: int, source: str) -> None:
+        """More on the device under the larger `budget`, nothing back to the host; kept as
+        it is when the union would not fit."""
+        owners = self.owners
+        inputs = plan_inputs(owners.config, owners.table, owners.units, owners.client_optimizer,
+                             BudgetChoice(budget, False, False, source))
+        plan = widened(current, make_plan(inputs), inputs)
+        if plan.device_bytes <= budget and plan.counts() != current.counts():
+            moved = move_to_plan(owners, plan)
+            if self.rank == 0:
+                logger.info("zero3: %s (%d parameters moved)", plan.describe(), moved)
 
     def place_under(self, budget: int, source: str, charges_working_set: bool = True) -> Plan:
         """A plan under `budget`, and the pieces moved to it. Raises PlacementError, moving

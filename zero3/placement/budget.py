@@ -9,7 +9,9 @@ Where the budget comes from (`placement.gpu_budget`, `placement.activation_reser
   the config's placement (what it offloads is on the host) while the allocator's peak is
   recorded; at its boundary the budget is the capacity less (peak - the state the device
   held then) - the margin, which leaves the window's activations and working set free,
-  and the plan is made once (engine_parts/placement.py moves what now fits);
+  and the plan is made (engine_parts/placement.py moves what now fits). The second window,
+  under that plan, is measured the same way, and where it leaves more room more pieces move
+  to the device, none back;
 - "auto" on a CPU run, or with nothing offloaded: no budget; the config's placement.
 
 Capacity: the device's free memory plus what this process's caching allocator already

@@ -152,6 +152,21 @@ def make_plan(inputs: PlanInputs) -> Plan:
     return Plan(placed, inputs.budget, device, host, fixed, inputs.budget_source)
 
 
+def widened(current: Plan, proposed: Plan, inputs: PlanInputs) -> Plan:
+    """`current` with every piece `proposed` puts on the device brought there too, and
+    nothing taken off it (what sits on the device never moves back); bytes recounted, under
+    `inputs.budget` as its budget."""
+    params = {u.name: Tier.DEVICE if Tier.DEVICE in (u.params, proposed.params_tier(u.name)) else Tier.HOST
+              for u in current.units}
+    state = {u.name: Tier.DEVICE if Tier.DEVICE in (u.state, proposed.state_tier(u.name)) else Tier.HOST
+             for u in current.units}
+    units = inputs.units
+    placed = tuple(UnitPlacement(u.name, params[u.name], state[u.name]) for u in units)
+    device = inputs.resident_bytes + inputs.working_bytes + _bytes_on(units, params, state, Tier.DEVICE)
+    return Plan(placed, inputs.budget, device, _bytes_on(units, params, state, Tier.HOST),
+                current.fixed_bytes, inputs.budget_source)
+
+
 def _ratio_tiers(units: tuple[UnitSize, ...], ratio: float) -> dict[str, Tier]:
     """DeepSpeed's rule: of n trainable units the first int((1 - ratio) * n) on the device."""
     trainable = [u for u in units if not u.frozen]
