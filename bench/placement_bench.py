@@ -14,6 +14,9 @@ A case is `kind:micro_batch`:
   zero3 (placement "auto": the first accumulation window measured, then what fits moves to the
   GPU once);
 - `budget=<GiB>`: both offloads under that budget;
+- `ds_offload`, `ds_ratio=<r>`, `ds_super`: DeepSpeed 0.19.8 with both offloads and its CPU Adam
+  (the config's AdamW), with offload_optimizer.ratio r (its Twin-Flow partial offload), or
+  with super_offload;
 - `plain_bf16`: plain PyTorch, a bf16 model with fused AdamW (the ceiling, half the bytes);
 - `plain_autocast`: plain PyTorch, an fp32 model under bf16 autocast with fused AdamW (zero3's
   arithmetic).
@@ -136,6 +139,34 @@ class _Wrapped(torch.nn.Module):
         return loss_of(self.lm, tokens)
 
 
+def deepspeed_case(args, kind: str, micro: int):
+    import logging
+
+    import deepspeed
+
+    deepspeed.utils.logger.setLevel(logging.WARNING)
+    model = _Wrapped(build_llama(args))
+    offload_optimizer = {"device": "cpu", "pin_memory": True}
+    if kind.startswith("ds_ratio="):
+        offload_optimizer["ratio"] = float(kind.split("=")[1])
+    if kind == "ds_super":
+        offload_optimizer["super_offload"] = True
+    config = {"train_micro_batch_size_per_gpu": micro, "gradient_clipping": 1.0, "bf16": {"enabled": True},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "weight_decay": 0.0}}, "steps_per_print": 1000,
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                    "offload_param": {"device": "cpu", "pin_memory": True},
+                                    "offload_optimizer": offload_optimizer}}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+
+    def step(tokens):
+        loss = engine(tokens)
+        engine.backward(loss)
+        engine.step()
+        return loss
+
+    return step, lambda: f"DeepSpeed {deepspeed.__version__}, offload_optimizer {offload_optimizer}", lambda: None
+
+
 def plain_case(args, kind: str, micro: int):
     model = build_llama(args)
     if kind == "plain_bf16":
@@ -155,7 +186,7 @@ def plain_case(args, kind: str, micro: int):
 
 
 def run_case(args, kind: str, micro: int, params: int) -> dict:
-    builder = plain_case if kind.startswith("plain") else zero3_case
+    builder = plain_case if kind.startswith("plain") else deepspeed_case if kind.startswith("ds_") else zero3_case
     torch.cuda.empty_cache()
     started = time.perf_counter()
     step, describe, close = builder(args, kind, micro)
