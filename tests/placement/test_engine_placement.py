@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from common import make_batches, make_model, two_param_groups
+from common import make_model, optimizer_tensors, train_windows, two_param_groups
 from harness import run_ranks
 
 MICRO = 4
@@ -46,28 +46,11 @@ def config_for(budget, offload: bool = True) -> dict:
 
 
 def train(engine, rank: int, world: int, first: int, last: int) -> list[float]:
-    batches = make_batches(STEPS * GA * world, MICRO)
-    losses = []
-    for step in range(first, last):
-        for micro in range(GA):
-            x, y = batches[(step * GA + micro) * world + rank]
-            loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
-    return losses
+    return train_windows(engine, rank, world, first, last, GA, MICRO, STEPS)
 
 
 def final_state(engine) -> dict[str, torch.Tensor]:
-    opt = engine.optimizer
-    opt.wait()
-    out = {}
-    for sp, master in zip(opt.params, opt.masters):
-        out[sp.name] = master.clone()
-        out[f"{sp.name}/shard"] = sp.shard.clone()
-        for key, value in opt.optimizer.state[master].items():
-            out[f"{sp.name}/{key}"] = value.clone()
-    return out
+    return optimizer_tensors(engine)
 
 
 def tiers(engine) -> dict[str, tuple[str, str]]:
