@@ -328,6 +328,7 @@ class Zero3Config:
     checkpoint_arrival_timeout: float
     checkpoint_async_save: bool
     placement: PlacementConfig
+    checkpoint_load_rng_state: bool
     throughput_timer_enabled: bool
     throughput_timer_synchronized: bool
     raw: dict
@@ -1242,6 +1243,10 @@ _CHECKPOINT_RULES: dict[str, _Rule] = {
     "async_save": _Map("async_save", _bool,
                        "zero3: save_checkpoint returns once a host snapshot is taken and writes in the "
                        "background (default false; save_checkpoint(async_save=) overrides it per call)"),
+    "load_rng_state": _Map("load_rng_state", _bool,
+                           "zero3: load_checkpoint also restores each rank's Python, NumPy and torch (and CUDA) "
+                           "RNG states saved with the checkpoint (default false: as DeepSpeed, the RNG is left "
+                           "as it is)"),
     "load_universal": _off(False, "DeepSpeed's universal checkpoint format is not read by zero3",
                            "Remove the key: zero3 checkpoints load on any world size."),
     "use_node_local_storage": _off(False, "zero3 writes every checkpoint to one shared directory"),
@@ -1519,6 +1524,7 @@ def from_deepspeed(config: "dict | str | os.PathLike", world_size: int) -> Zero3
         checkpoint_arrival_timeout=values.get("_checkpoint", {}).get("arrival_timeout", 60.0),
         checkpoint_async_save=values.get("_checkpoint", {}).get("async_save", False),
         placement=PlacementConfig(**values.get("_placement", {})),
+        checkpoint_load_rng_state=values.get("_checkpoint", {}).get("load_rng_state", False),
         throughput_timer_enabled=timers.get("throughput_timer_enabled", True),
         throughput_timer_synchronized=timers.get("throughput_timer_synchronized", True),
         raw=copy.deepcopy(raw),
@@ -1554,7 +1560,7 @@ _DOC_FIELDS = {
     "_checkpoint": "checkpoint_tag_validation", "enabled": "precision.dtype",
     "check_grad_overflow": "precision.check_grad_overflow", "param_dtype": "checked against precision.dtype",
     "tag_validation": "checkpoint_tag_validation", "arrival_timeout": "checkpoint_arrival_timeout",
-    "async_save": "checkpoint_async_save", "_placement": "placement",
+    "async_save": "checkpoint_async_save", "_placement": "placement", "load_rng_state": "checkpoint_load_rng_state",
     "throughput": "throughput_timer_*",
 }
 
