@@ -1052,6 +1052,11 @@ _ADAM_PARAMS: dict[str, Converter] = {
 _SGD_PARAMS: dict[str, Converter] = {
     **_TORCH_COMMON_PARAMS, "momentum": _float(0.0), "dampening": _float(0.0), "nesterov": _bool,
 }
+# What DeepSpeed 0.19.8 builds for "Adam" / "AdamW" (FusedAdam, or DeepSpeedCPUAdam under
+# offload_optimizer) defaults to these; torch's AdamW differs in weight_decay (0.01). With
+# "torch_adam": true DeepSpeed builds torch's own optimizer, so torch's defaults apply.
+# "SGD" is torch's SGD under both. tests/optim/test_optimizer_defaults.py states each.
+DEEPSPEED_ADAM_DEFAULTS: dict[str, Any] = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
 # DeepSpeed-only Adam params: consumed here, never passed to torch.
 _ADAM_DS_PARAMS: dict[str, Callable[[Any], bool] | None] = {
     "adam_w_mode": None,  # mapped: chooses Adam vs AdamW
@@ -1092,8 +1097,10 @@ def _optimizer_params(key: str, kind: str, params: dict) -> tuple[str, dict]:
                   f"{hint}Known: {', '.join(sorted([*allowed, *extras]))}.")
     if kind == "SGD":
         return "SGD", kwargs
-    adamw = kind == "AdamW" or params.get("adam_w_mode", True)  # DeepSpeed: Adam means AdamW by default
-    return ("AdamW" if adamw else "Adam"), kwargs
+    if not _bool(f"{key}.params.torch_adam", params.get("torch_adam", False)):
+        kwargs = {**DEEPSPEED_ADAM_DEFAULTS, **kwargs}
+    adamw = kind == "AdamW" or _bool(f"{key}.params.adam_w_mode", params.get("adam_w_mode", True))
+    return ("AdamW" if adamw else "Adam"), kwargs  # DeepSpeed: Adam means AdamW unless adam_w_mode is false
 
 
 _OPTIMIZER_HEADER: dict[str, _Rule] = {
