@@ -117,7 +117,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("engine parts", ("zero3.engine_parts", "zero3.estimate")),
     ("checkpoint", ("zero3.checkpoint",)),
     ("DeepSpeed adapters", ("zero3.compat", "zero3.accelerator", "zero3.comm", "zero3.utils", "zero3.runtime",
-                            "zero3.ops", "zero3.zero")),
+                            "zero3.ops", "zero3.zero", "zero3.moe")),
     ("engine", ("zero3.engine",)),
     ("entry points", ("zero3.api", "zero3.cli", "zero3")),
     ("hf", ("zero3.hf",)),
@@ -213,6 +213,8 @@ PUBLIC_PATHS = [
     "zero3.runtime.zero.offload_config.OffloadDeviceEnum", "zero3.utils.torch.required_torch_version",
     "zero3.utils.safe_update_full_grad_vectorized",
     "zero3.runtime.zero.utils.ZeRORuntimeException", "zero3.checkpoint.utils.clone_tensors_for_torch_save",
+    "zero3.get_accelerator", "zero3.moe.utils.split_params_into_different_moe_groups_for_optimizer",
+    "zero3.moe.utils.is_moe_param",
 ]
 HF_PATHS = ["zero3.hf.Trainer", "zero3.hf.trainer_class", "zero3.hf.ConfigFillError",
             "zero3.hf.UnsupportedOptionError"]
