@@ -214,7 +214,10 @@ PUBLIC_PATHS = [
     "zero3.utils.safe_update_full_grad_vectorized",
     "zero3.runtime.zero.utils.ZeRORuntimeException", "zero3.checkpoint.utils.clone_tensors_for_torch_save",
     "zero3.get_accelerator", "zero3.moe.utils.split_params_into_different_moe_groups_for_optimizer",
-    "zero3.moe.utils.is_moe_param",
+    "zero3.moe.utils.is_moe_param", "zero3.runtime.utils.see_memory_usage",
+    "zero3.runtime.zero.parameter_offload.ZeROOrderedDict", "zero3.runtime.zero.parameter_offload.ensure_zero_ordered_dict",
+    "zero3.runtime.swap_tensor.MIN_SWAPPABLE_BYTES", "zero3.runtime.swap_tensor.utils.MIN_SWAPPABLE_BYTES",
+    "zero3.runtime.swap_tensor.constants.AIO_BLOCK_SIZE",
 ]
 HF_PATHS = ["zero3.hf.Trainer", "zero3.hf.trainer_class", "zero3.hf.ConfigFillError",
             "zero3.hf.UnsupportedOptionError"]

@@ -58,8 +58,8 @@ class TrackedParameters(dict):
 
 
 class TrackedAssignments(dict):
-    """A module's `_modules` (or, when nothing is ever gathered, its `_parameters`):
-    reports an entry assigned after initialize; reads are plain dict reads."""
+    """A module's `_modules`: reports an entry assigned after initialize; reads are plain
+    dict reads."""
 
     def __init__(self, original: dict, on_change: Callable[[], None]) -> None:
         super().__init__(original)
@@ -74,6 +74,15 @@ class TrackedAssignments(dict):
 
     def untracked(self) -> dict:
         return dict(self.items())
+
+
+class ResidentParameters(TrackedAssignments):
+    """A module's `_parameters` when nothing is ever gathered (every parameter resident):
+    assignments are noticed, reads are plain dict reads."""
+
+
+# What a module's `_parameters` is while an engine watches it (DeepSpeed's ZeROOrderedDict's role).
+PARAMETER_DICTS = (TrackedParameters, ResidentParameters)
 
 
 class AccessDiscovery:
@@ -109,7 +118,7 @@ class AccessDiscovery:
         if self.track_reads:
             module._parameters = TrackedParameters(module._parameters, self._on_access, self.note_change)
         else:
-            module._parameters = TrackedAssignments(module._parameters, self.note_change)
+            module._parameters = ResidentParameters(module._parameters, self.note_change)
         module._modules = TrackedAssignments(module._modules, self.note_change)
         self._wrapped[id(module)] = module
 
