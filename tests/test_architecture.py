@@ -305,6 +305,25 @@ def test_storage_identity_and_resize_release():
     assert p.sum().item() == sum(range(1, 13))
 
 
+def test_storage_use_count_and_moving_a_parameter_off_a_shared_storage():
+    """released.py's release that keeps aliases: torch._C._storage_Use_Count counts the
+    tensors (and Python handles) on a storage, NumPy views included; `p.data = t` moves the
+    parameter to t's storage and a tensor that shared the old one keeps it and its values."""
+    p = nn.Parameter(torch.arange(12.0).view(3, 4))
+    storage = p.untyped_storage()
+    assert torch._C._storage_Use_Count(storage._cdata) == 2  # the parameter and `storage`
+    alias, array = p.detach(), p.detach().numpy()
+    assert torch._C._storage_Use_Count(storage._cdata) == 4
+    p.data = torch.empty_strided(p.shape, p.stride())
+    p.untyped_storage().resize_(0)
+    assert p.untyped_storage().nbytes() == 0 and p.shape == (3, 4)
+    assert alias.sum().item() == array.sum() == sum(range(12))
+    p.untyped_storage().resize_(12 * 4)
+    with torch.no_grad():
+        p.copy_(alias + 1)
+    assert p.sum().item() == sum(range(1, 13)) and p.stride() == (4, 1)
+
+
 def test_module_attribute_reads_go_through_parameters_getitem():
     """discovery.TrackedParameters: `module.weight` reads `_parameters[name]` via __getitem__."""
     reads = []

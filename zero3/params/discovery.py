@@ -102,7 +102,10 @@ class AccessDiscovery:
         self._on_access = on_access
         self._on_late_use = on_late_use
         self._on_structure_change = on_structure_change
-        self._storage_owner = {sp.param.untyped_storage()._cdata: sp for sp in table.values()}
+        self._storage_owner: dict[int, ShardedParam] = {}  # storage (_cdata) -> its parameter
+        self._storage_of: dict[int, int] = {}  # id(ShardedParam) -> its storage's _cdata
+        for sp in table.values():
+            self.storage_moved(sp)
         self._wrapped: dict[int, nn.Module] = {}
         self.structure_changed = False
         self.late_gathers = 0
@@ -144,6 +147,15 @@ class AccessDiscovery:
         self.structure_changed = False
 
     # ------------------------------------------------------ storage owners
+    def storage_moved(self, sp: ShardedParam) -> None:
+        """`sp`'s parameter is on a new storage (released.py moved it): views of that one are its."""
+        old = self._storage_of.get(id(sp))
+        if old is not None and self._storage_owner.get(old) is sp:
+            del self._storage_owner[old]
+        key = sp.param.untyped_storage()._cdata
+        self._storage_owner[key] = sp
+        self._storage_of[id(sp)] = key
+
     def owner_of(self, tensor: torch.Tensor) -> ShardedParam | None:
         """The managed parameter whose storage `tensor` lives on (a view of it), if any."""
         return self._storage_owner.get(tensor.untyped_storage()._cdata)
