@@ -117,7 +117,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("engine parts", ("zero3.engine_parts", "zero3.estimate")),
     ("checkpoint", ("zero3.checkpoint",)),
     ("DeepSpeed adapters", ("zero3.compat", "zero3.accelerator", "zero3.comm", "zero3.utils", "zero3.runtime",
-                            "zero3.ops", "zero3.zero")),
+                            "zero3.ops", "zero3.zero", "zero3.moe")),
     ("engine", ("zero3.engine",)),
     ("entry points", ("zero3.api", "zero3.cli", "zero3")),
     ("hf", ("zero3.hf",)),
@@ -213,6 +213,11 @@ PUBLIC_PATHS = [
     "zero3.runtime.zero.offload_config.OffloadDeviceEnum", "zero3.utils.torch.required_torch_version",
     "zero3.utils.safe_update_full_grad_vectorized",
     "zero3.runtime.zero.utils.ZeRORuntimeException", "zero3.checkpoint.utils.clone_tensors_for_torch_save",
+    "zero3.get_accelerator", "zero3.moe.utils.split_params_into_different_moe_groups_for_optimizer",
+    "zero3.moe.utils.is_moe_param", "zero3.runtime.utils.see_memory_usage",
+    "zero3.runtime.zero.parameter_offload.ZeROOrderedDict", "zero3.runtime.zero.parameter_offload.ensure_zero_ordered_dict",
+    "zero3.runtime.swap_tensor.MIN_SWAPPABLE_BYTES", "zero3.runtime.swap_tensor.utils.MIN_SWAPPABLE_BYTES",
+    "zero3.runtime.swap_tensor.constants.AIO_BLOCK_SIZE",
 ]
 HF_PATHS = ["zero3.hf.Trainer", "zero3.hf.trainer_class", "zero3.hf.ConfigFillError",
             "zero3.hf.UnsupportedOptionError"]
@@ -298,6 +303,25 @@ def test_storage_identity_and_resize_release():
     with torch.no_grad():
         p.copy_(torch.arange(12.0) + 1)
     assert p.sum().item() == sum(range(1, 13))
+
+
+def test_storage_use_count_and_moving_a_parameter_off_a_shared_storage():
+    """released.py's release that keeps aliases: torch._C._storage_Use_Count counts the
+    tensors (and Python handles) on a storage, NumPy views included; `p.data = t` moves the
+    parameter to t's storage and a tensor that shared the old one keeps it and its values."""
+    p = nn.Parameter(torch.arange(12.0).view(3, 4))
+    storage = p.untyped_storage()
+    assert torch._C._storage_Use_Count(storage._cdata) == 2  # the parameter and `storage`
+    alias, array = p.detach(), p.detach().numpy()
+    assert torch._C._storage_Use_Count(storage._cdata) == 4
+    p.data = torch.empty_strided(p.shape, p.stride())
+    p.untyped_storage().resize_(0)
+    assert p.untyped_storage().nbytes() == 0 and p.shape == (3, 4)
+    assert alias.sum().item() == array.sum() == sum(range(12))
+    p.untyped_storage().resize_(12 * 4)
+    with torch.no_grad():
+        p.copy_(alias + 1)
+    assert p.sum().item() == sum(range(1, 13)) and p.stride() == (4, 1)
 
 
 def test_module_attribute_reads_go_through_parameters_getitem():

@@ -328,6 +328,7 @@ class Zero3Config:
     checkpoint_arrival_timeout: float
     checkpoint_async_save: bool
     placement: PlacementConfig
+    checkpoint_load_rng_state: bool
     throughput_timer_enabled: bool
     throughput_timer_synchronized: bool
     raw: dict
@@ -1051,6 +1052,11 @@ _ADAM_PARAMS: dict[str, Converter] = {
 _SGD_PARAMS: dict[str, Converter] = {
     **_TORCH_COMMON_PARAMS, "momentum": _float(0.0), "dampening": _float(0.0), "nesterov": _bool,
 }
+# What DeepSpeed 0.19.8 builds for "Adam" / "AdamW" (FusedAdam, or DeepSpeedCPUAdam under
+# offload_optimizer) defaults to these; torch's AdamW differs in weight_decay (0.01). With
+# "torch_adam": true DeepSpeed builds torch's own optimizer, so torch's defaults apply.
+# "SGD" is torch's SGD under both. tests/optim/test_optimizer_defaults.py states each.
+DEEPSPEED_ADAM_DEFAULTS: dict[str, Any] = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
 # DeepSpeed-only Adam params: consumed here, never passed to torch.
 _ADAM_DS_PARAMS: dict[str, Callable[[Any], bool] | None] = {
     "adam_w_mode": None,  # mapped: chooses Adam vs AdamW
@@ -1091,8 +1097,10 @@ def _optimizer_params(key: str, kind: str, params: dict) -> tuple[str, dict]:
                   f"{hint}Known: {', '.join(sorted([*allowed, *extras]))}.")
     if kind == "SGD":
         return "SGD", kwargs
-    adamw = kind == "AdamW" or params.get("adam_w_mode", True)  # DeepSpeed: Adam means AdamW by default
-    return ("AdamW" if adamw else "Adam"), kwargs
+    if not _bool(f"{key}.params.torch_adam", params.get("torch_adam", False)):
+        kwargs = {**DEEPSPEED_ADAM_DEFAULTS, **kwargs}
+    adamw = kind == "AdamW" or _bool(f"{key}.params.adam_w_mode", params.get("adam_w_mode", True))
+    return ("AdamW" if adamw else "Adam"), kwargs  # DeepSpeed: Adam means AdamW unless adam_w_mode is false
 
 
 _OPTIMIZER_HEADER: dict[str, _Rule] = {
@@ -1242,6 +1250,10 @@ _CHECKPOINT_RULES: dict[str, _Rule] = {
     "async_save": _Map("async_save", _bool,
                        "zero3: save_checkpoint returns once a host snapshot is taken and writes in the "
                        "background (default false; save_checkpoint(async_save=) overrides it per call)"),
+    "load_rng_state": _Map("load_rng_state", _bool,
+                           "zero3: load_checkpoint also restores each rank's Python, NumPy and torch (and CUDA) "
+                           "RNG states saved with the checkpoint (default false: as DeepSpeed, the RNG is left "
+                           "as it is)"),
     "load_universal": _off(False, "DeepSpeed's universal checkpoint format is not read by zero3",
                            "Remove the key: zero3 checkpoints load on any world size."),
     "use_node_local_storage": _off(False, "zero3 writes every checkpoint to one shared directory"),
@@ -1519,6 +1531,7 @@ def from_deepspeed(config: "dict | str | os.PathLike", world_size: int) -> Zero3
         checkpoint_arrival_timeout=values.get("_checkpoint", {}).get("arrival_timeout", 60.0),
         checkpoint_async_save=values.get("_checkpoint", {}).get("async_save", False),
         placement=PlacementConfig(**values.get("_placement", {})),
+        checkpoint_load_rng_state=values.get("_checkpoint", {}).get("load_rng_state", False),
         throughput_timer_enabled=timers.get("throughput_timer_enabled", True),
         throughput_timer_synchronized=timers.get("throughput_timer_synchronized", True),
         raw=copy.deepcopy(raw),
@@ -1554,7 +1567,7 @@ _DOC_FIELDS = {
     "_checkpoint": "checkpoint_tag_validation", "enabled": "precision.dtype",
     "check_grad_overflow": "precision.check_grad_overflow", "param_dtype": "checked against precision.dtype",
     "tag_validation": "checkpoint_tag_validation", "arrival_timeout": "checkpoint_arrival_timeout",
-    "async_save": "checkpoint_async_save", "_placement": "placement",
+    "async_save": "checkpoint_async_save", "_placement": "placement", "load_rng_state": "checkpoint_load_rng_state",
     "throughput": "throughput_timer_*",
 }
 

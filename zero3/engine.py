@@ -458,6 +458,7 @@ class Engine(EngineSurface, nn.Module):
         loaded = checkpoint_io.load(
             self._training_state(), load_dir, tag, load_module_strict, load_optimizer_states,
             load_lr_scheduler_states, load_module_only, self.config.gradient_accumulation_steps,
+            load_rng_state=self.config.checkpoint_load_rng_state,
         )
         self.reducer.usage.note_restored()  # gradients saved inside a window were used somewhere
         return loaded

@@ -76,7 +76,11 @@ parts with weights_only=True. Every rank raises the same error.
 Resharding: rank r of W owns elements [r*ceil(n/W), ...) of each flattened parameter
 (`owned_range`, params/shard_layout.py); the loader computes its own range for its
 world size and reads the overlapping slices of every source file, so a checkpoint saved
-on N ranks loads on M ranks. RNG states are restored for ranks below N only.
+on N ranks loads on M ranks.
+
+RNG: every save records each rank's Python, NumPy, torch (and CUDA) RNG states; a load
+leaves the RNG as it is, as DeepSpeed does, unless the config's `checkpoint.load_rng_state`
+asks for them (then ranks below N restore theirs; a rank at or past N keeps its own).
 
 Debugging aid (`ZERO3_CHECKPOINT_PAUSE`): set it to a phase of `PAUSE_PHASES`, optionally
 `<phase>@<rank>`, and a save freezes at that point (logging it, and writing its pid to
@@ -700,14 +704,17 @@ class _Plan:
     rng: dict[str, Any] | None
     restore_optimizer: bool
     open_reader: Callable[[], Any]
+    restore_rng: bool = False  # checkpoint.load_rng_state (DeepSpeed's folders hold no RNG state)
 
 
 def _plan(state: TrainingState, folder: Path, manifest: dict[str, Any], strict: bool,
-          load_optimizer_states: bool, load_lr_scheduler_states: bool, load_module_only: bool) -> _Plan:
+          load_optimizer_states: bool, load_lr_scheduler_states: bool, load_module_only: bool,
+          load_rng_state: bool) -> _Plan:
     common = unpickle_file(folder / COMMON)
     rank, world = state.model.comm.rank, manifest["world_size"]
-    rng = unpickle_file(folder / state_file(rank, world)) if (rank < world and not load_module_only) else None
-    plan = _Plan(folder, manifest, common, rng, False, lambda: ShardReader(folder, manifest))
+    restore_rng = load_rng_state and not load_module_only
+    rng = unpickle_file(folder / state_file(rank, world)) if (rank < world and restore_rng) else None
+    plan = _Plan(folder, manifest, common, rng, False, lambda: ShardReader(folder, manifest), restore_rng)
     return _checked_plan(state, plan, strict, load_optimizer_states, load_lr_scheduler_states, load_module_only)
 
 
@@ -867,7 +874,7 @@ def _apply_tensors(model: ShardedModel, optimizer: OptimizerAccess, placement: P
 
 
 def _restore_progress(state: TrainingState, plan: _Plan, load_lr_scheduler_states: bool) -> None:
-    """The scheduler (if asked), counters, loss scale and this rank's RNG."""
+    """The scheduler (if asked), counters, loss scale and, with `plan.restore_rng`, this rank's RNG."""
     common = plan.common
     if load_lr_scheduler_states and state.lr_scheduler is not None and common["lr_scheduler"] is not None:
         state.lr_scheduler.load_state_dict(common["lr_scheduler"])
@@ -875,6 +882,8 @@ def _restore_progress(state: TrainingState, plan: _Plan, load_lr_scheduler_state
     if common.get("loss_scaler") is not None and state.loss_scaler is not None:
         state.loss_scaler.load_state_dict(common["loss_scaler"])
     rank = state.model.comm.rank
+    if not plan.restore_rng:
+        return
     if plan.rng is not None and plan.rng.get("rng") is not None:  # None: imported, saved without RNG
         _set_rng_state(plan.rng["rng"])
     elif rank >= plan.manifest["world_size"]:
@@ -892,12 +901,14 @@ def _saved_grad(master_device: torch.device, sp: ShardedParam, reader: ShardRead
 
 
 def load(state: TrainingState, load_dir, tag, strict: bool, load_optimizer_states: bool,
-         load_lr_scheduler_states: bool, load_module_only: bool, gradient_accumulation_steps: int):
+         load_lr_scheduler_states: bool, load_module_only: bool, gradient_accumulation_steps: int,
+         load_rng_state: bool = False):
     """Verify, then load a checkpoint into `state`; (path, client_state), or (None, None) when absent.
 
     A collective. Every check runs before any state is written; a failed check raises
     the same CheckpointError on every rank and leaves the engine as it was.
-    `gradient_accumulation_steps` places a DeepSpeed checkpoint's micro-step count.
+    `gradient_accumulation_steps` places a DeepSpeed checkpoint's micro-step count;
+    `load_rng_state` (the config's checkpoint.load_rng_state) restores the saved RNG states.
     """
     comm = state.model.comm
     root = Path(load_dir)
@@ -923,7 +934,8 @@ def load(state: TrainingState, load_dir, tag, strict: bool, load_optimizer_state
             f"checkpoint {folder} failed verification, nothing was loaded:\n  " + "\n  ".join(sorted(set(problems)))
         )
     plan = on_every_rank(comm, lambda: _plan(state, folder, manifest, strict, load_optimizer_states,
-                                             load_lr_scheduler_states, load_module_only), CheckpointError)
+                                             load_lr_scheduler_states, load_module_only, load_rng_state),
+                         CheckpointError)
     _apply(state, plan, load_lr_scheduler_states, load_module_only)
     comm.barrier()
     return str(folder), plan.common["client_state"]

@@ -262,6 +262,7 @@ def build_sharded_optimizer(config: Zero3Config, client: torch.optim.Optimizer |
         unit_order=fetcher.params_in_forward_order if background is not None else None,
         usage=usage,
         background=background,
+        leaf_modules={unit.module: unit.params for unit in fetcher.units if unit.leaf},
     )
 
 

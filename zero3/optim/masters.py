@@ -32,10 +32,12 @@ parameters copied in when the step starts (so an lr scheduler stepping right aft
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from zero3.grads.usage import GradUsage
 from zero3.optim.host_step import BackgroundStep
@@ -50,6 +52,20 @@ MAX_CACHED_SHADOWS = 4096  # shadow optimizers hold references only, no tensors 
 
 # Orders the fetch units were last entered in, each unit's parameters (fetch.py).
 UnitOrder = Callable[[], list[list[ShardedParam]]]
+
+
+def leaf_parameters_of(stepped: list[ShardedParam], leaf_modules: dict[nn.Module, list[ShardedParam]]
+                       ) -> defaultdict[nn.Module, list[nn.Parameter]]:
+    """DeepSpeed's `optimizer.leaf_parameters`: each leaf module (set_z3_leaf_modules, the
+    config's leaf_module, the granularity threshold; `leaf_modules` gives their parameters)
+    -> those of its parameters that are `stepped`, in the module's order."""
+    ids = {id(sp) for sp in stepped}
+    found: defaultdict[nn.Module, list[nn.Parameter]] = defaultdict(list)
+    for module, sps in leaf_modules.items():
+        for sp in sps:
+            if id(sp) in ids:
+                found[module].append(sp.param)
+    return found
 
 
 class OptimizerSetupError(ValueError):
@@ -72,12 +88,13 @@ class ShardedOptimizer:
         unit_order: UnitOrder | None = None,
         usage: GradUsage | None = None,
         background: BackgroundStep | None = None,
+        leaf_modules: dict[nn.Module, list[ShardedParam]] | None = None,
     ) -> None:
         """`sub_group_numel`: elements per optimizer call (0: all at once). `unit_order`:
         given only when the update is to run behind the next forward (see the module doc), on
         `background`, the worker the fetcher and gradient sink were built to wait for.
         `usage`: which leaf parameters got a real gradient in the window (grads/usage.py);
-        None when every gradient shard stands for a real gradient."""
+        None when every gradient shard stands for a real gradient. `leaf_modules`: see leaf_parameters_of."""
         self.optimizer = optimizer
         self.comm = comm
         self.placement = placement
@@ -96,6 +113,7 @@ class ShardedOptimizer:
         self._remap_param_groups(table)
         self._client_group_of = [
             index for index, group in enumerate(self.optimizer.param_groups) for _ in group["params"]]
+        self.leaf_parameters = leaf_parameters_of(self.params, leaf_modules or {})
 
     # ------------------------------------------------------------------ setup
     def _master_for(self, sp: ShardedParam) -> torch.Tensor:

@@ -8,9 +8,11 @@ Memory ownership:
 - `shard` (compute dtype, on `shard_device`) is owned by this object and is the
   persistent copy of this rank's slice of the parameter's values.
 - The `nn.Parameter`'s own storage holds the full values only while the state is FULL.
-  In SHARDED its storage is resized to zero bytes, but the tensor keeps its shape, dtype
-  and device, so `p.shape`, `p.numel()` and `p.dtype` stay honest; it is sealed
-  (released.py), so code outside zero3 that touches its values gets a named error.
+  In SHARDED its storage is resized to zero bytes (or, where tensors taken from it while
+  gathered should keep their values, replaced by a fresh empty one: released.py), but the
+  tensor keeps its shape, dtype and device, so `p.shape`, `p.numel()` and `p.dtype` stay
+  honest; it is sealed (released.py), so code outside zero3 that touches its values gets a
+  named error.
 - `grad_shard` (fp32, same device as the optimizer's master) accumulates this rank's
   slice of the averaged gradient; it is owned here and handed to the optimizer.
 
@@ -125,13 +127,16 @@ class ShardedParam:
                 f"{verb}({self.name}): parameter is {self.state.value}, expected {state.value}"
             )
 
-    def release(self) -> None:
-        """FULL -> SHARDED: free the full storage; metadata stays."""
+    def release(self, keep_aliases: bool = False) -> bool:
+        """FULL -> SHARDED: free the full storage; metadata stays. True when the parameter
+        moved to a fresh storage instead, leaving the old one to tensors that share it
+        (released.py: with `keep_aliases`, or when NumPy holds it)."""
         self._expect(ParamState.FULL, "release")
         if self.persistent:
             raise StateError(f"release({self.name}): persistent parameters stay full")
-        release_storage(self.param)
+        moved = release_storage(self.param, keep_aliases)
         self.state = ParamState.SHARDED
+        return moved
 
     def move_shard(self, device: torch.device, pin_memory: bool = False) -> None:
         """The shard moves to `device` (values kept) as a new tensor: a tensor that was the

@@ -12,7 +12,8 @@ What DeepSpeed writes for ZeRO stage 3 (`save_dir/latest` names the tag):
   <tag>/[bf16_]zero_pp_rank_{r}_mp_rank_00_optim_states.pt
       optimizer_state_dict: zero_stage, loss_scaler, partition_count,
       fp32_flat_groups (rank r's fp32 master of each sub-group, flat), and the torch
-      optimizer's state_dict whose entry i is sub-group i (exp_avg, ... flat; step).
+      optimizer's state_dict whose entry i is sub-group i (exp_avg, ... flat; step: a
+      tensor from torch's optimizers, a Python int from DeepSpeed's own, read as a tensor).
 
 Partitioning: a parameter of n elements on N ranks is padded to N * ceil(n / N); rank r
 holds elements [r * ceil(n/N), (r+1) * ceil(n/N)) of it, the tail of the last ranks being
@@ -331,6 +332,21 @@ def _state_kinds(folder: Path, optims: list[dict], slots: list[list[Slot]]) -> d
     return kinds or {}
 
 
+def _steps_as_tensors(optims: list[dict]) -> None:
+    """A `step` kept as a Python number becomes the 0-dim float32 tensor torch's optimizers
+    keep (in place, in the loaded state). DeepSpeed's own optimizers count steps in a Python
+    int: DeepSpeedCPUAdam (`offload_optimizer`), FusedAdam, CPU Adagrad and Lion; torch's
+    Adam and AdamW refuse a number there at their first step ("`state_steps` argument must
+    contain a list of singleton tensors")."""
+    for optim in optims:
+        inner = optim["optimizer_state_dict"].get("optimizer_state_dict")
+        states = inner.get("state", {}) if isinstance(inner, dict) else {}
+        for entry in states.values():
+            step = entry.get("step") if isinstance(entry, dict) else None
+            if isinstance(step, (int, float)) and not isinstance(step, bool):
+                entry["step"] = torch.tensor(float(step), dtype=torch.float32)
+
+
 def _sub_group_states(folder: Path, rank: int, optim: dict, count: int) -> tuple[dict, list]:
     """The torch optimizer's state and the state index of each sub-group, in flat order."""
     inner = optim["optimizer_state_dict"].get("optimizer_state_dict")
@@ -385,6 +401,7 @@ class DeepSpeedCheckpoint:
         self.folder = folder
         self.world_size = len(models)
         self._models = models
+        _steps_as_tensors(optims)
         self._states = [o["optimizer_state_dict"] for o in optims]
         self.sub_groups = _trainable_slots(folder, models)
         _check_flats(folder, optims, self.sub_groups)
