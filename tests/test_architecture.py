@@ -116,7 +116,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("optim", ("zero3.optim",)),
     ("engine parts", ("zero3.engine_parts", "zero3.estimate")),
     ("checkpoint", ("zero3.checkpoint",)),
-    ("DeepSpeed adapters", ("zero3.compat", "zero3.accelerator", "zero3.comm", "zero3.utils", "zero3.runtime",
+    ("DeepSpeed adapters", ("zero3.compat", "zero3.checkpointing", "zero3.accelerator", "zero3.comm", "zero3.utils", "zero3.runtime",
                             "zero3.ops", "zero3.zero", "zero3.moe")),
     ("engine", ("zero3.engine",)),
     ("entry points", ("zero3.api", "zero3.cli", "zero3")),
@@ -218,6 +218,13 @@ PUBLIC_PATHS = [
     "zero3.runtime.zero.parameter_offload.ZeROOrderedDict", "zero3.runtime.zero.parameter_offload.ensure_zero_ordered_dict",
     "zero3.runtime.swap_tensor.MIN_SWAPPABLE_BYTES", "zero3.runtime.swap_tensor.utils.MIN_SWAPPABLE_BYTES",
     "zero3.runtime.swap_tensor.constants.AIO_BLOCK_SIZE",
+    "zero3.checkpointing.configure", "zero3.checkpointing.checkpoint", "zero3.checkpointing.is_configured",
+    "zero3.checkpointing.get_cuda_rng_tracker", "zero3.checkpointing.model_parallel_cuda_manual_seed",
+    "zero3.checkpointing.reset", "zero3.runtime.activation_checkpointing.checkpointing.configure",
+    "zero3.runtime.activation_checkpointing.checkpointing.checkpoint",
+    "zero3.runtime.activation_checkpointing.checkpointing.is_configured",
+    "zero3.runtime.activation_checkpointing.checkpointing.get_cuda_rng_tracker",
+    "zero3.runtime.activation_checkpointing.checkpointing.model_parallel_cuda_manual_seed",
 ]
 HF_PATHS = ["zero3.hf.Trainer", "zero3.hf.trainer_class", "zero3.hf.ConfigFillError",
             "zero3.hf.UnsupportedOptionError"]

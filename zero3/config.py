@@ -45,6 +45,9 @@ __all__ = [
     "OffloadConfig",
     "LeafModuleConfig",
     "ZeroConfig",
+    "ActivationCheckpointingConfig",
+    "activation_checkpointing_of",
+    "checked_activation_checkpointing",
     "PrecisionConfig",
     "ComponentSpec",
     "Zero3Config",
@@ -217,6 +220,26 @@ class PlacementConfig:
 
 
 @dataclass(frozen=True)
+class ActivationCheckpointingConfig:
+    """The ``activation_checkpointing`` section: how ``zero3.checkpointing.checkpoint`` (DeepSpeed's
+    ``deepspeed.checkpointing.checkpoint``) runs. ``zero3.initialize`` applies it unless the
+    script called ``configure()`` itself; ``configure(mpu, deepspeed_config=...)`` reads it as
+    DeepSpeed does. What each field does, and what it cannot do without model parallelism, is
+    written in zero3/checkpointing/settings.py.
+
+    Invariant: ``contiguous_memory_optimization`` implies ``partition_activations`` and a
+    ``number_checkpoints`` (DeepSpeed asserts the same in ``configure``).
+    """
+
+    partition_activations: bool = False
+    contiguous_memory_optimization: bool = False
+    cpu_checkpointing: bool = False
+    number_checkpoints: int | None = None
+    synchronize_checkpoint_boundary: bool = False
+    profile: bool = False
+
+
+@dataclass(frozen=True)
 class ZeroConfig:
     """The ``zero_optimization`` section."""
 
@@ -331,6 +354,7 @@ class Zero3Config:
     checkpoint_load_rng_state: bool
     throughput_timer_enabled: bool
     throughput_timer_synchronized: bool
+    activation_checkpointing: ActivationCheckpointingConfig
     raw: dict
 
     # DeepSpeed's `engine.config` is the JSON dict it was given: read it the same way.
@@ -1276,10 +1300,55 @@ def _timers(key: str, value: Any) -> dict[str, Any]:
     return _parse_section(_Section(key, _TIMERS_RULES, auto_is_default=False), value).get("throughput", {})
 
 
-_ACTIVATION_CHECKPOINTING_DEFAULTS = {
-    "partition_activations": False, "number_checkpoints": None, "contiguous_memory_optimization": False,
-    "synchronize_checkpoint_boundary": False, "profile": False, "cpu_checkpointing": False,
+_ACTIVATION_CHECKPOINTING_RULES: dict[str, _Rule] = {
+    "partition_activations": _Map("partition_activations", _bool,
+                                  "split each checkpoint's saved inputs across the model-parallel group "
+                                  "(an mpu given to configure); with no model parallelism there is nothing "
+                                  "to split and the inputs are kept whole"),
+    "contiguous_memory_optimization": _Map("contiguous_memory_optimization", _bool,
+                                           "validated as DeepSpeed does (needs partition_activations and "
+                                           "number_checkpoints); no further effect: zero3 keeps the saved "
+                                           "inputs as they are, so there are no partition copies to pack"),
+    "cpu_checkpointing": _Map("cpu_checkpointing", _bool,
+                              "keep each checkpoint's saved inputs in pinned host memory (copied on a side "
+                              "stream on a GPU) and bring them back for the recomputation"),
+    "number_checkpoints": _Map("number_checkpoints", _int_or_none(1),
+                               "checkpoints in a forward: sizes DeepSpeed's contiguous buffers; validated, "
+                               "no further effect"),
+    "synchronize_checkpoint_boundary": _Map("synchronize_checkpoint_boundary", _bool,
+                                            "synchronize the device before and after each checkpoint's "
+                                            "forward and recomputation"),
+    "profile": _Map("profile", _bool, "log the time of each checkpoint's forward and recomputation (rank 0)"),
 }
+
+
+def _activation_checkpointing(key: str, value: Any) -> ActivationCheckpointingConfig:
+    values = _parse_section(_Section(key, _ACTIVATION_CHECKPOINTING_RULES, auto_is_default=False), value)
+    return checked_activation_checkpointing(ActivationCheckpointingConfig(**values), key + ".")
+
+
+def checked_activation_checkpointing(settings: ActivationCheckpointingConfig,
+                                     prefix: str = "") -> ActivationCheckpointingConfig:
+    """`settings` if it holds ActivationCheckpointingConfig's invariant; else ConfigError naming
+    the keys (each spelled with ``prefix``) and the fix."""
+    if settings.contiguous_memory_optimization and not settings.partition_activations:
+        _fail(f"{prefix}contiguous_memory_optimization", True, "contiguous checkpointing works only with "
+              f"partitioned activations ({prefix}partition_activations is false)",
+              "Set partition_activations true, or contiguous_memory_optimization false.")
+    if settings.contiguous_memory_optimization and settings.number_checkpoints is None:
+        _fail(f"{prefix}number_checkpoints", None, "contiguous checkpointing needs the number of "
+              "checkpoints in a forward", "Set number_checkpoints to the number of checkpointed blocks.")
+    return settings
+
+
+def activation_checkpointing_of(config: "dict | str | os.PathLike") -> ActivationCheckpointingConfig:
+    """The ``activation_checkpointing`` section of a DeepSpeed config (a dict, a JSON path or
+    base64 JSON), parsed alone: the rest of the config is not validated here (DeepSpeed's
+    ``checkpointing.configure(deepspeed_config=...)`` reads only this section too)."""
+    raw = _load(config)
+    return _activation_checkpointing("activation_checkpointing", raw.get("activation_checkpointing") or {})
+
+
 _AIO_DEFAULTS = {
     "block_size": 1048576, "queue_depth": 8, "intra_op_parallelism": 1, "single_submit": False,
     "overlap_events": True, "use_gds": False,
@@ -1363,11 +1432,9 @@ _TOP_RULES: dict[str, _Rule] = {
                                                    "does not have"),
     "sequence_parallel_size": _Only(_is(1), "1", "sequence parallelism is not implemented", _REMOVE),
     "use_data_before_expert_parallelism": _off(False, "expert parallelism is not implemented"),
-    "activation_checkpointing": _Only(_defaults_only(_ACTIVATION_CHECKPOINTING_DEFAULTS),
-                                      _shown_defaults(_ACTIVATION_CHECKPOINTING_DEFAULTS),
-                                      "these configure deepspeed.checkpointing, which zero3 does not "
-                                      "provide", "Use torch.utils.checkpoint (reentrant or not); "
-                                      "remove the block."),
+    "activation_checkpointing": _Map("activation_checkpointing", _activation_checkpointing,
+                                     "zero3.checkpointing.checkpoint's options (DeepSpeed's "
+                                     "deepspeed.checkpointing); see the activation_checkpointing table"),
     "aio": _Only(_defaults_only(_AIO_DEFAULTS), _shown_defaults(_AIO_DEFAULTS),
                  "aio configures NVMe offload, which zero3 does not support", _REMOVE),
     "pipeline": _Inert("DeepSpeed reads it only for a PipelineModule, and zero3 has no pipeline parallelism"),
@@ -1534,6 +1601,7 @@ def from_deepspeed(config: "dict | str | os.PathLike", world_size: int) -> Zero3
         checkpoint_load_rng_state=values.get("_checkpoint", {}).get("load_rng_state", False),
         throughput_timer_enabled=timers.get("throughput_timer_enabled", True),
         throughput_timer_synchronized=timers.get("throughput_timer_synchronized", True),
+        activation_checkpointing=values.get("activation_checkpointing", ActivationCheckpointingConfig()),
         raw=copy.deepcopy(raw),
     )
 
@@ -1553,6 +1621,7 @@ _DOC_SECTIONS: tuple[tuple[str, Mapping[str, _Rule], str], ...] = (
     ("fp16", _FP16_RULES, "precision."),
     ("data_types", _DATA_TYPES_RULES, ""),
     ("checkpoint", _CHECKPOINT_RULES, ""),
+    ("activation_checkpointing", _ACTIVATION_CHECKPOINTING_RULES, "activation_checkpointing."),
     ("placement", _PLACEMENT_RULES, "placement."),
     ("timers", _TIMERS_RULES, ""),
     ("timers.throughput", _THROUGHPUT_RULES, ""),
