@@ -415,3 +415,24 @@ def test_class_change_and_torch_function_sealing():
     assert seen == []
     device, dtype, non_blocking, memory_format = torch._C._nn._parse_to("cpu", torch.float16)
     assert (str(device), dtype, non_blocking, memory_format) == ("cpu", torch.float16, False, None)
+
+
+def test_top_saved_tensor_hooks_and_reentrant_checkpoint_saves_through_them():
+    """checkpointing/offload.py: `torch._C._autograd._top_saved_tensors_default_hooks(False)`
+    gives the (pack, unpack) pair active now (None outside any), and a reentrant
+    `torch.utils.checkpoint` saves its tensor inputs through the active pack hook."""
+    from torch.autograd.graph import saved_tensors_hooks
+    from torch.utils.checkpoint import checkpoint
+
+    def pack(t):
+        return t
+
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    packed = []
+    x = torch.ones(3, requires_grad=True)
+    with saved_tensors_hooks(pack, pack):
+        assert torch._C._autograd._top_saved_tensors_default_hooks(False)[0] is pack
+        with saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
+            y = checkpoint(lambda a: (a * a).sum(), x, use_reentrant=True)
+    y.backward()
+    assert len(packed) == 1 and packed[0] is x and torch.equal(x.grad, 2 * torch.ones(3))

@@ -146,3 +146,104 @@ def checkpointing_on_ranks(rank: int, world: int, folder: str) -> bool:
 
 def test_checkpointed_blocks_train_as_the_plain_model_and_resume_exactly(tmp_path):
     assert run_ranks(checkpointing_on_ranks, WORLD, str(tmp_path)) == [True] * WORLD
+
+
+# ------------------------------------------------------------------ one process
+
+@pytest.fixture
+def fresh_settings():
+    settings.reset_to_defaults()
+    yield
+    settings.reset_to_defaults()
+
+
+class FakeMpu:
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def get_model_parallel_world_size(self) -> int:
+        return self.size
+
+    def get_model_parallel_rank(self) -> int:
+        return 0
+
+
+def test_configure_and_is_configured(fresh_settings, tmp_path):
+    assert not zero3.checkpointing.is_configured() and settings.current() == zero3.config.ActivationCheckpointingConfig()
+    section = {"cpu_checkpointing": True, "profile": True, "number_checkpoints": 4}
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_batch_size": 8, "activation_checkpointing": section}))
+    zero3.checkpointing.configure(None, deepspeed_config=str(path), profile=False)
+    now = settings.current()
+    assert zero3.checkpointing.is_configured()
+    assert now.cpu_checkpointing and not now.profile and now.number_checkpoints == 4  # arguments win
+    zero3.checkpointing.configure(FakeMpu(1), partition_activations=True)  # a new configure starts from defaults
+    assert settings.current().partition_activations and not settings.current().cpu_checkpointing
+    settings.apply_engine_config(zero3.config.ActivationCheckpointingConfig(cpu_checkpointing=True))
+    assert not settings.current().cpu_checkpointing  # configure() stays the authority over initialize's section
+    from zero3.runtime.activation_checkpointing import checkpointing as ds_path
+    assert ds_path.configure is zero3.checkpointing.configure and ds_path.checkpoint is zero3.checkpointing.checkpoint
+
+
+def test_config_section_applies_until_configure(fresh_settings):
+    parsed = zero3.config.from_deepspeed({"train_batch_size": 2, "activation_checkpointing": {"profile": "true"}}, 1)
+    settings.apply_engine_config(parsed.activation_checkpointing)
+    assert settings.current().profile and not zero3.checkpointing.is_configured()
+    zero3.checkpointing.configure(None, deepspeed_config=parsed)  # an engine's config reads the same
+    assert settings.current().profile and zero3.checkpointing.is_configured()
+
+
+@pytest.mark.parametrize("call, words", [
+    (lambda: zero3.checkpointing.configure(None, checkpoint_in_cpu="yes"), ["checkpoint_in_cpu", "'yes'"]),
+    (lambda: zero3.checkpointing.configure(None, num_checkpoints=0), ["num_checkpoints", "0"]),
+    (lambda: zero3.checkpointing.configure(None, contiguous_checkpointing=True),
+     ["contiguous_memory_optimization", "partition_activations"]),
+    (lambda: zero3.checkpointing.configure(None, contiguous_checkpointing=True, partition_activations=True),
+     ["number_checkpoints"]),
+    (lambda: zero3.checkpointing.configure(FakeMpu(2), partition_activations=True),
+     ["partition_activations", "2 ranks"]),
+    (lambda: zero3.checkpointing.configure(None, deepspeed_config={"activation_checkpointing": {"profil": True}}),
+     ["activation_checkpointing.profil", "profile"]),
+    (lambda: zero3.config.from_deepspeed({"train_batch_size": 2, "activation_checkpointing":
+                                          {"contiguous_memory_optimization": True, "partition_activations": True}}, 1),
+     ["activation_checkpointing.number_checkpoints"]),
+    (lambda: zero3.config.from_deepspeed({"train_batch_size": 2,
+                                          "activation_checkpointing": {"cpu_checkpointing": "sometimes"}}, 1),
+     ["activation_checkpointing.cpu_checkpointing", "sometimes"]),
+])
+def test_bad_values_are_refused_by_name(fresh_settings, call, words):
+    with pytest.raises(zero3.ConfigError) as error:
+        call()
+    assert all(word in str(error.value) for word in words), str(error.value)
+    assert not zero3.checkpointing.is_configured()
+
+
+def test_tracker_fork_and_seed(fresh_settings):
+    tracker = zero3.checkpointing.get_cuda_rng_tracker()
+    zero3.checkpointing.model_parallel_cuda_manual_seed(5)
+    default = torch.rand(3)
+    torch.manual_seed(5)
+    assert torch.equal(default, torch.rand(3))  # the default RNG gets the seed itself
+    outside = torch.get_rng_state()
+    with tracker.fork():
+        tracked = torch.rand(3)
+    assert torch.equal(outside, torch.get_rng_state())
+    torch.manual_seed(5 + 2718)
+    assert torch.equal(tracked, torch.rand(3))  # the model-parallel state: seed + 2718 (tensor-parallel rank 0)
+    with pytest.raises(ValueError, match="already added"):
+        tracker.add("model-parallel-rng", 99)
+    with pytest.raises(ValueError, match="is not added"):
+        with tracker.fork("other"):
+            pass
+
+
+def test_checkpoint_keyword_tensors_and_no_grad(fresh_settings):
+    """Tensors passed by keyword get gradients; under no_grad nothing is saved or offloaded."""
+    zero3.checkpointing.configure(None, checkpoint_in_cpu=True)
+    a, b = torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True)
+    zero3.checkpointing.checkpoint(lambda x, y=None: (x * y).sin().sum(), a, y=b).backward()
+    assert torch.allclose(a.grad, b * (a * b).cos()) and torch.allclose(b.grad, a * (a * b).cos())
+    offload.reset_counts()
+    with torch.no_grad():
+        zero3.checkpointing.checkpoint(lambda x: x * 2, a)
+    assert offload.COUNTS.tensors == 0
