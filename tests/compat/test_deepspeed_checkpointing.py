@@ -28,14 +28,16 @@ WORLD, GA, MICRO, STEPS = 2, 2, 4, 3
 
 class CheckpointedNet(Net):
     """common.Net whose blocks run through zero3.checkpointing.checkpoint (or directly), each
-    followed by dropout on the RNG tracker's model-parallel state (Megatron's pattern)."""
+    followed by dropout on the RNG tracker's model-parallel state (Megatron's pattern). Each
+    checkpoint also takes the head's (sharded) weight as an input, read outside its module:
+    cpu_checkpointing leaves a parameter to zero3's own saved-tensor hooks."""
 
     def __init__(self, checkpointed: bool) -> None:
         super().__init__(dropout=0.2)
         self.checkpointed = checkpointed
 
-    def _block(self, index: int, h: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        h = self.blocks[index](h) * scale
+    def _block(self, index: int, h: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+        h = self.blocks[index](h) * scale + shift.mean()
         with zero3.checkpointing.get_cuda_rng_tracker().fork():
             return F.dropout(h, 0.1, self.training)
 
@@ -43,9 +45,9 @@ class CheckpointedNet(Net):
         h, scale = self.embed(x), torch.full((1,), 1.5)
         for index in range(len(self.blocks)):
             if self.checkpointed:
-                h = zero3.checkpointing.checkpoint(self._block, index, h, scale=scale)
+                h = zero3.checkpointing.checkpoint(self._block, index, h, scale=scale, shift=self.head.weight)
             else:
-                h = self._block(index, h, scale)
+                h = self._block(index, h, scale, self.head.weight)
         return F.mse_loss(self.head(h), y)
 
 
@@ -130,6 +132,7 @@ def checkpointing_on_ranks(rank: int, world: int, folder: str) -> bool:
     _same(_run(rank, checkpointed=True), plain, "cpu_checkpointing by configure")
     calls = STEPS * GA * 3  # 3 checkpointed blocks a micro-step
     assert offload.COUNTS.tensors == 2 * calls, offload.COUNTS  # the hidden state and the scale
+    assert offload.COUNTS.deferred == calls, offload.COUNTS  # the head's weight: to zero3's safety net
     phases = [phase for phase, _ in ckpt_function.PROFILE]
     assert phases.count("forward") == calls and phases.count("recomputation") == calls
     settings.reset_to_defaults()

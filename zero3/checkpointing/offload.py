@@ -30,10 +30,12 @@ from torch import nn
 
 @dataclass
 class OffloadCounts:
-    """Tensors and bytes offloaded since the last `reset_counts()` (tests and logs read it)."""
+    """Tensors and bytes offloaded since the last `reset_counts()`, and tensors left to the
+    outer saved-tensor hooks (tests and logs read it)."""
 
     tensors: int = 0
     bytes: int = 0
+    deferred: int = 0
 
 
 COUNTS = OffloadCounts()
@@ -41,7 +43,7 @@ _side_streams: dict[torch.device, Any] = {}
 
 
 def reset_counts() -> None:
-    COUNTS.tensors, COUNTS.bytes = 0, 0
+    COUNTS.tensors, COUNTS.bytes, COUNTS.deferred = 0, 0, 0
 
 
 @dataclass
@@ -107,6 +109,8 @@ class HostOffload(torch.autograd.graph.saved_tensors_hooks):
     def _pack(self, tensor: torch.Tensor) -> Any:
         if _offloadable(tensor):
             return _to_host(tensor)
+        if self._outer_pack is not None:
+            COUNTS.deferred += 1
         return _Outer(self._outer_pack(tensor)) if self._outer_pack is not None else tensor
 
     def _unpack(self, packed: Any) -> torch.Tensor:
