@@ -93,6 +93,7 @@ def _bind_keywords(function: Callable, args: tuple, kwargs: dict) -> tuple[Calla
     return with_keywords, args + tuple(kwargs.values())
 
 
+@torch.compiler.disable  # as DeepSpeed's: a compiled caller runs the checkpoint eagerly
 def checkpoint(function: Callable, *args: Any, **kwargs: Any) -> Any:
     """Checkpoint `function(*args, **kwargs)`: DeepSpeed's `deepspeed.checkpointing.checkpoint`,
     with the settings of `configure()` or the config's ``activation_checkpointing`` section

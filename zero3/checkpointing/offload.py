@@ -109,9 +109,10 @@ class HostOffload(torch.autograd.graph.saved_tensors_hooks):
     def _pack(self, tensor: torch.Tensor) -> Any:
         if _offloadable(tensor):
             return _to_host(tensor)
-        if self._outer_pack is not None:
-            COUNTS.deferred += 1
-        return _Outer(self._outer_pack(tensor)) if self._outer_pack is not None else tensor
+        if self._outer_pack is None:
+            return tensor
+        COUNTS.deferred += 1
+        return _Outer(self._outer_pack(tensor))
 
     def _unpack(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, _OnHost):
