@@ -250,3 +250,11 @@ def test_checkpoint_keyword_tensors_and_no_grad(fresh_settings):
     with torch.no_grad():
         zero3.checkpointing.checkpoint(lambda x: x * 2, a)
     assert offload.COUNTS.tensors == 0
+
+
+def test_checkpoint_passes_non_tensor_and_integer_outputs(fresh_settings):
+    x = torch.randn(3, requires_grad=True)
+    out, nothing, count, mask = zero3.checkpointing.checkpoint(lambda a: (a * 2, None, 3, (a > 0).long()), x)
+    assert nothing is None and count == 3 and mask.dtype == torch.long and not mask.requires_grad
+    out.sum().backward()
+    assert torch.equal(x.grad, torch.full((3,), 2.0))
