@@ -16,6 +16,7 @@ cpu_checkpointing, offload.py) and the tracker's state snapshot, freed with the 
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import time
@@ -71,7 +72,9 @@ class _Run:
         return out
 
 
-PROFILE: list[tuple[str, float]] = []  # (phase, seconds) of each timed call, for logs and tests
+# (phase, seconds) of the last timed calls, for tests and tools; bounded so a long profiled run
+# does not grow it without end (every call is logged on rank 0 as well).
+PROFILE: collections.deque[tuple[str, float]] = collections.deque(maxlen=4096)
 
 
 def record_profile(phase: str, seconds: float) -> None:
