@@ -47,6 +47,7 @@ from zero3.engine_parts import placement as placement_parts
 from zero3.engine_parts.build import EngineError, EngineUsageError
 from zero3.engine_parts.counters import StepCounters
 from zero3.engine_parts.owner import ParamOwner, register, unregister
+from zero3.engine_parts.state_offload import StateOffload
 from zero3.engine_parts.rank_agreement import check_ranks_agree, config_items, model_items, optimizer_items
 from zero3.engine_parts.timers import StepTimers, ThroughputTimer
 from zero3.engine_parts.views import OptimizerAccess, ShardedModel
@@ -149,6 +150,7 @@ class Engine(EngineSurface, nn.Module):
         the parameter accessors read (engine_parts/views.py, engine_parts/owner.py), over the parts built above."""
         self.sharded_model = ShardedModel(self.module, self.table, self.comm, self.device, self.compute_dtype)
         self.optimizer_access = OptimizerAccess(self.optimizer)
+        self.state_offload = StateOffload(self.sharded_model, self.optimizer_access)
         self.param_owner = ParamOwner(self.sharded_model, self.optimizer_access, self.fetcher, self.reducer.flush,
                                       self.placement)
 
@@ -178,7 +180,7 @@ class Engine(EngineSurface, nn.Module):
 
     # ------------------------------------------------------------ training API
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        self._check_alive()
+        self._check_trainable()
         if self.config.precision.auto_cast:
             args, kwargs = _cast_floating((args, kwargs), self.compute_dtype)
         self.tput_timer.start()
@@ -193,7 +195,7 @@ class Engine(EngineSurface, nn.Module):
 
         Returns what DeepSpeed's returns: the loss divided by gradient_accumulation_steps
         (when `scale_wrt_gas`), without the fp16 loss scale."""
-        self._check_alive()
+        self._check_trainable()
         if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
             raise EngineUsageError(
                 f"engine.backward(loss) needs a scalar tensor that requires grad, got {type(loss).__name__}"
@@ -306,7 +308,7 @@ class Engine(EngineSurface, nn.Module):
         Counters as DeepSpeed 0.19.8: `micro_steps` counts step() calls; `global_steps`
         and `global_samples` (by train_batch_size) advance at each boundary, skipped
         overflow steps included."""
-        self._check_alive()
+        self._check_trainable()
         if self.reducer.coalescing:
             raise EngineError("engine.step() inside coalesce_grad_reduction(): call it after the block, "
                               "whose exit reduces the gradients the step needs")
@@ -507,6 +509,13 @@ class Engine(EngineSurface, nn.Module):
     def _check_alive(self) -> None:
         if self._destroyed:
             raise EngineError("this engine was destroyed; build a new one with zero3.initialize")
+
+    def _check_trainable(self) -> None:
+        """Alive, and with no state offloaded by offload_states()."""
+        self._check_alive()
+        if self.state_offload.offloaded:
+            raise EngineUsageError(f"the states {sorted(self.state_offload.offloaded)} are offloaded "
+                                   "(engine.offload_states()); call engine.reload_states() before training on")
 
 
 def _hook_output_tensors(output: Any, on_first: Callable[[], None]) -> None:
