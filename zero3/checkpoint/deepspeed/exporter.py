@@ -5,7 +5,9 @@ any committed zero3 checkpoint (verified first: manifest, sizes, sha256), saved 
 number of ranks; the result is what DeepSpeed 0.19's `save_checkpoint` writes for ZeRO
 stage 3 on `world_size` data-parallel ranks with the given `sub_group_size`
 (layout.py describes it), so `engine.load_checkpoint(DST)` of a DeepSpeed engine
-built the same way resumes it:
+built the same way resumes it. The sub_group_size and the optimizer DeepSpeed builds
+(whose keys the param groups must hold) default to the checkpoint's recorded config
+(export_target.py):
 
   DST/latest                                              the tag
   DST/<tag>/zero_pp_rank_R_mp_rank_00_model_states.pt     R = 0 .. world_size-1
