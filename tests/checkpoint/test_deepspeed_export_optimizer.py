@@ -127,3 +127,31 @@ def test_the_optimizer_flag_overrides_the_recorded_config(saved, tmp_path, capsy
     for state in _optimizer_states(tmp_path / "ds"):
         assert all(g["bias_correction"] is True and g["amsgrad"] is False for g in state["param_groups"])
         assert all(type(entry["step"]) is int for entry in state["state"].values())
+
+
+@pytest.mark.parametrize("config, size, optimizer", [
+    (None, 1_000_000_000, "torch"),  # saved before zero3 recorded its config
+    ({"zero_optimization": {"sub_group_size": "auto"}}, 1_000_000_000, "torch"),  # a Trainer's "auto"
+    ({"zero_optimization": {"sub_group_size": 1e3}, "optimizer": {"type": "adam"}}, 1000, "fused"),
+    ({"optimizer": {"type": "Adam", "params": {"torch_adam": "true"}}}, 1_000_000_000, "torch"),
+    ({"optimizer": {"type": "AdamW"}, "zero_optimization": {"offload_optimizer": {"device": "nvme"}}},
+     1_000_000_000, "cpu-adam"),
+    ({"optimizer": {"type": "SGD"}}, 1_000_000_000, "torch"),
+])
+def test_the_target_follows_deepspeeds_choice_for_the_recorded_config(config, size, optimizer):
+    from zero3.checkpoint.deepspeed.export_target import resolve
+
+    target = resolve({"ds_config": config}, None, None)
+    assert (target.sub_group_size, target.optimizer) == (size, optimizer)
+    overridden = resolve({"ds_config": config}, 7, "cpu-adam")
+    assert (overridden.sub_group_size, overridden.sub_group_size_from) == (7, "--sub-group-size")
+    assert (overridden.optimizer, overridden.optimizer_from) == ("cpu-adam", "--optimizer")
+
+
+def test_a_group_that_lacks_what_the_optimizer_reads_is_refused_naming_it():
+    from zero3.checkpoint import format as ckpt
+    from zero3.checkpoint.deepspeed.export_target import deepspeed_param_group, resolve
+
+    target = resolve({"ds_config": {"optimizer": {"type": "AdamW"}}}, None, None)
+    with pytest.raises(ckpt.CheckpointError, match=r"param group 1 .* lacks \['betas', 'eps'\].*--optimizer"):
+        deepspeed_param_group({"lr": 0.1, "weight_decay": 0.0}, target, 1)

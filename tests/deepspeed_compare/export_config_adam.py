@@ -100,7 +100,8 @@ def run_zero3(work: Path, case: str) -> None:
     losses = run_ranks(zero3_worker, WORLD, str(source), case, timeout=600)
     command = [sys.executable, "-m", "zero3.cli", "checkpoint", "export-deepspeed", str(source), str(exported),
                "--world-size", str(WORLD)]
-    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     result = {"case": case, "zero3_losses": losses, "export": done.stdout.strip(),
               "export_error": done.stderr.strip()[-2000:], "rc": done.returncode}
     (work / case / "zero3_run.json").write_text(json.dumps(result))

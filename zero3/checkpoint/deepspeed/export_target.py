@@ -65,9 +65,13 @@ def _zero_section(config: dict) -> dict:
 
 
 def recorded_sub_group_size(config: dict | None) -> int | None:
-    """zero_optimization.sub_group_size of a recorded config (None: not given there)."""
+    """zero_optimization.sub_group_size of a recorded config (None: not given there, or not
+    a number, such as a Trainer's "auto")."""
     value = _zero_section(config or {}).get("sub_group_size")
-    return None if value is None else int(float(value))
+    try:
+        return None if value is None or isinstance(value, bool) else int(float(value))
+    except (TypeError, ValueError):
+        return None
 
 
 def recorded_optimizer(config: dict | None) -> str | None:
@@ -96,7 +100,8 @@ def resolve(common: dict, sub_group_size: int | None, optimizer: str | None) -> 
         size, size_from = recorded_size, "the checkpoint's config"
     else:
         size = DEEPSPEED_SUB_GROUP_SIZE
-        size_from = "DeepSpeed's default (not in the checkpoint's config)" if config is not None else none_recorded
+        given = "DeepSpeed's default (the checkpoint's config gives no number)"
+        size_from = given if config is not None else none_recorded
     if size < 1:
         raise ckpt.CheckpointError(f"sub_group_size {size} (from {size_from}): it must be at least 1")
     if optimizer is not None and optimizer not in OPTIMIZERS:
