@@ -155,3 +155,14 @@ def test_a_group_that_lacks_what_the_optimizer_reads_is_refused_naming_it():
     target = resolve({"ds_config": {"optimizer": {"type": "AdamW"}}}, None, None)
     with pytest.raises(ckpt.CheckpointError, match=r"param group 1 .* lacks \['betas', 'eps'\].*--optimizer"):
         deepspeed_param_group({"lr": 0.1, "weight_decay": 0.0}, target, 1)
+
+
+def test_an_export_imported_back_exports_for_the_same_deepspeed_run(saved, tmp_path, capsys):
+    from zero3.cli import main
+
+    assert _export(saved / "cpu_adam", tmp_path / "ds") == 0
+    assert main(["checkpoint", "import-deepspeed", str(tmp_path / "ds"), str(tmp_path / "back")]) == 0
+    capsys.readouterr()
+    assert _export(tmp_path / "back", tmp_path / "again") == 0
+    out = capsys.readouterr().out
+    assert "sub_group_size 40 (from the checkpoint's config)" in out and "cpu-adam optimizer" in out

@@ -187,7 +187,8 @@ class _Export:
 
 def _ds_config(export: _Export) -> dict[str, Any]:
     """The parts of a DeepSpeed config this checkpoint implies (DeepSpeed's loader does not
-    read it; zero3's reader takes the compute dtype and accumulation steps from it)."""
+    read it; zero3's reader takes the compute dtype and accumulation steps from it, and
+    export-deepspeed the sub_group_size and optimizer section after an import)."""
     common, dtype = export.common, export.compute_dtype
     steps = int(common.get("global_steps", 0))
     micro = int(common.get("micro_steps", 0))
@@ -198,6 +199,12 @@ def _ds_config(export: _Export) -> dict[str, Any]:
     }
     if common.get("lr_scheduler_type") in DEEPSPEED_SCHEDULERS:
         config["scheduler"] = {"type": common["lr_scheduler_type"]}
+    recorded = common.get("ds_config") or {}  # kept so that importing the export finds the same optimizer
+    if isinstance(recorded.get("optimizer"), dict):
+        config["optimizer"] = recorded["optimizer"]
+    offload = (recorded.get("zero_optimization") or {}).get("offload_optimizer")
+    if isinstance(offload, dict):
+        config["zero_optimization"]["offload_optimizer"] = offload
     return config
 
 
