@@ -178,8 +178,8 @@ def export_deepspeed(src: Path, dst: Path, world_size: int, sub_group_size: int 
           f"{summary['sub_groups']} sub-groups, {len(summary['files'])} files, {_human(summary['bytes'])}, global "
           f"step {summary['global_steps']}; {dst / ckpt.LATEST} -> {summary['tag']}. Load it with DeepSpeed on "
           f"{summary['world_size']} ranks with zero_optimization.sub_group_size {summary['sub_group_size']} "
-          f"(from {summary['sub_group_size_from']}); param groups and steps written for DeepSpeed's "
-          f"{summary['optimizer']} optimizer (from {summary['optimizer_from']}; --optimizer fused|cpu-adam|torch "
+          f"({summary['sub_group_size_from']}); param groups and steps written for DeepSpeed's "
+          f"{summary['optimizer']} optimizer ({summary['optimizer_from']}; --optimizer fused|cpu-adam|torch "
           "overrides)")
     if summary["trainer_files"]:
         print(f"a Trainer checkpoint: copied {', '.join(summary['trainer_files'])} into {dst}; resume it with "

@@ -144,8 +144,8 @@ def test_the_target_follows_deepspeeds_choice_for_the_recorded_config(config, si
     target = resolve({"ds_config": config}, None, None)
     assert (target.sub_group_size, target.optimizer) == (size, optimizer)
     overridden = resolve({"ds_config": config}, 7, "cpu-adam")
-    assert (overridden.sub_group_size, overridden.sub_group_size_from) == (7, "--sub-group-size")
-    assert (overridden.optimizer, overridden.optimizer_from) == ("cpu-adam", "--optimizer")
+    assert (overridden.sub_group_size, overridden.sub_group_size_from) == (7, "from --sub-group-size")
+    assert (overridden.optimizer, overridden.optimizer_from) == ("cpu-adam", "from --optimizer")
 
 
 def test_a_group_that_lacks_what_the_optimizer_reads_is_refused_naming_it():

@@ -92,27 +92,27 @@ def recorded_optimizer(config: dict | None) -> str | None:
 def resolve(common: dict, sub_group_size: int | None, optimizer: str | None) -> ExportTarget:
     """The export's target: the command's values where given, else the recorded config's."""
     config = common.get("ds_config")
-    none_recorded = "DeepSpeed's default (the checkpoint records no config: saved by an older zero3)"
+    none_recorded = "the checkpoint records no config (saved by an older zero3)"
     recorded_size = recorded_sub_group_size(config)
     if sub_group_size is not None:
-        size, size_from = sub_group_size, "--sub-group-size"
+        size, size_from = sub_group_size, "from --sub-group-size"
     elif recorded_size is not None:
-        size, size_from = recorded_size, "the checkpoint's config"
+        size, size_from = recorded_size, "from the checkpoint's config"
     else:
         size = DEEPSPEED_SUB_GROUP_SIZE
-        given = "DeepSpeed's default (the checkpoint's config gives no number)"
-        size_from = given if config is not None else none_recorded
+        why = "the checkpoint's config gives no number" if config is not None else none_recorded
+        size_from = f"DeepSpeed's default: {why}"
     if size < 1:
-        raise ckpt.CheckpointError(f"sub_group_size {size} (from {size_from}): it must be at least 1")
+        raise ckpt.CheckpointError(f"sub_group_size {size} ({size_from}): it must be at least 1")
     if optimizer is not None and optimizer not in OPTIMIZERS:
         raise ckpt.CheckpointError(f"optimizer {optimizer!r}: pick one of {', '.join(OPTIMIZERS)}")
     recorded = recorded_optimizer(config)
     if optimizer is not None:
-        kind, kind_from = optimizer, "--optimizer"
+        kind, kind_from = optimizer, "from --optimizer"
     elif recorded is not None:
-        kind, kind_from = recorded, "the checkpoint's config"
+        kind, kind_from = recorded, "from the checkpoint's config"
     else:
-        kind, kind_from = "torch", "the checkpoint records no config (saved by an older zero3): a client optimizer"
+        kind, kind_from = "torch", f"a client optimizer assumed: {none_recorded}"
     params = ((config or {}).get("optimizer") or {}).get("params") or {}
     return ExportTarget(size, size_from, kind, kind_from, params.get("bias_correction", True) in _TRUE)
 
