@@ -476,7 +476,8 @@ class Engine(EngineSurface, nn.Module):
         """What a checkpoint saves and restores, as the engine holds it now (the scheduler
         is read at each call: it may be replaced after initialize)."""
         return checkpoint_io.TrainingState(self.sharded_model, self.optimizer_access, self.lr_scheduler,
-                                           self.counters, self.loss_scaler, self.placement, self.zero_grad)
+                                           self.counters, self.loss_scaler, self.placement, self.zero_grad,
+                                           self.config.raw)
 
     # -------------------------------------------------------------- lifetime
     def destroy(self) -> None:

@@ -177,6 +177,7 @@ class TrainingState:
     loss_scaler: LossScaler | None
     placement: Placement
     zero_grad: Callable[[], None]
+    ds_config: dict | None = None  # the config as given (JSON values), recorded in common.pt
 
 
 # ------------------------------------------------------------------ file I/O
@@ -324,9 +325,11 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 
 def _common_state(optimizer: OptimizerAccess, scheduler: Any, counters: StepCounters,
-                  loss_scaler: LossScaler | None, client_state: dict) -> dict[str, Any]:
+                  loss_scaler: LossScaler | None, client_state: dict,
+                  ds_config: dict | None = None) -> dict[str, Any]:
     """common.pt: counters, loss scaler, optimizer hyper-parameters and non-tensor state,
-    the scheduler's state and `client_state` (plain values only)."""
+    the scheduler's state, `client_state` (plain values only) and the engine's config as
+    given (`ds_config`: export-deepspeed reads its sub_group_size and optimizer from it)."""
     groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups()]
     extras: dict[str, dict[str, Any]] = {}
     state = optimizer.state()
@@ -345,7 +348,13 @@ def _common_state(optimizer: OptimizerAccess, scheduler: Any, counters: StepCoun
         "lr_scheduler": scheduler.state_dict() if has_state else None,
         "lr_scheduler_type": type(scheduler).__qualname__ if has_state else None,
         "client_state": client_state,
+        "ds_config": _plain_config(ds_config),
     }
+
+
+def _plain_config(config: dict | None) -> dict | None:
+    """The config as JSON values (a value JSON cannot hold, given in a dict config, as its str)."""
+    return None if config is None else json.loads(json.dumps(config, default=str))
 
 
 def _param_group_members(optimizer: OptimizerAccess) -> list[list[str]]:
@@ -442,7 +451,7 @@ def rank_files(state: TrainingState, client_state: dict, exclude_frozen: bool) -
     common_data = None
     if rank == 0:
         common_data = _pickled(_common_state(state.optimizer, state.lr_scheduler, state.counters,
-                                             state.loss_scaler, client_state))
+                                             state.loss_scaler, client_state, state.ds_config))
         try:
             torch.load(io.BytesIO(common_data), weights_only=True)
         except Exception as exc:  # noqa: BLE001 - named and re-raised

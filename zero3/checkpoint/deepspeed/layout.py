@@ -39,6 +39,7 @@ copied out of them by the caller.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import dataclass
@@ -376,6 +377,11 @@ def _loss_scaler_state(scaler: Any, dtype: torch.dtype) -> dict[str, Any] | None
     }
 
 
+def _plain_config(config: Any) -> dict | None:
+    """The DeepSpeed run's config as JSON values (any other value as its str); None if absent."""
+    return json.loads(json.dumps(config, default=str)) if isinstance(config, dict) else None
+
+
 def _accumulation_steps(config: Any, world: int) -> int:
     """gradient_accumulation_steps of the run's config (given, or from the batch sizes), else 1."""
     steps = _config_section(config, "gradient_accumulation_steps")
@@ -501,10 +507,13 @@ class DeepSpeedCheckpoint:
             "loss_scaler": _loss_scaler_state(self._states[0].get("loss_scaler"), self.compute_dtype),
             "param_groups": [{k: v for k, v in g.items() if k not in IMPLEMENTATION_KEYS}
                              for g in inner["param_groups"]],
+            "param_group_members": [[slot.name for index in group["params"] for slot in self.sub_groups[index]]
+                                    for group in inner["param_groups"]],
             "optim_extras": extras,
             "lr_scheduler": model0.get("lr_scheduler"),
             "lr_scheduler_type": _config_section(config, "scheduler", "type"),
             "client_state": {k: v for k, v in model0.items() if k not in DEEPSPEED_KEYS},
+            "ds_config": _plain_config(config),  # what export-deepspeed reads to go back
         }
 
     # ------------------------------------------------------------- reading
