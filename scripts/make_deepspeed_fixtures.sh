@@ -7,6 +7,14 @@
 #   VENV=/path/to/venv bash scripts/make_deepspeed_fixtures.sh seed_fp32_w2 mlp_fp16_w3
 #   ZERO3_PYTHON=/path/to/zero3/venv/bin/python bash scripts/make_deepspeed_fixtures.sh --check-export
 #   ZERO3_PYTHON=/path/to/zero3/venv/bin/python bash scripts/make_deepspeed_fixtures.sh --check-trainer-export
+#   ZERO3_PYTHON=/path/to/zero3/venv/bin/python bash scripts/make_deepspeed_fixtures.sh --check-export-config-adam
+#
+# --check-export-config-adam: a run trained under zero3 with the config's AdamW (two param
+# groups, sub_group_size 1000), exported with only --world-size, loaded and stepped by
+# DeepSpeed with each optimizer it builds (FusedAdam, DeepSpeedCPUAdam under offload_optimizer,
+# torch's AdamW with torch_adam; tests/deepspeed_compare/export_config_adam.py): one JSON line
+# per case, recorded in tests/deepspeed_compare/RESULTS.md. The CPU Adam ops are JIT-built
+# (ninja and a C++ compiler) the first time.
 #
 # --check-export: `zero3 checkpoint export-deepspeed` of the committed zero3 checkpoint
 # tests/fixtures/deepspeed/export_llama_lora_bf16_w2/zero3 (run with zero3's Python), then
@@ -51,6 +59,17 @@ if [ "${1:-}" = "--check-export" ]; then
     DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 PYTHONWARNINGS=ignore HF_HUB_OFFLINE=1 \
         "$VENV/bin/python" tests/fixtures/deepspeed/check_export.py "$EXPORTED"
     exit $?
+fi
+if [ "${1:-}" = "--check-export-config-adam" ]; then
+    WORK="$(mktemp -d)"
+    trap 'rm -rf "$WORK"' EXIT
+    for CASE in fused cpu-adam torch; do
+        PYTHONPATH="$ROOT" ZERO3_ACCELERATOR=cpu OMP_NUM_THREADS=1 PYTHONWARNINGS=ignore \
+            "${ZERO3_PYTHON:-python3}" tests/deepspeed_compare/export_config_adam.py zero3 "$WORK" "$CASE"
+        DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 PYTHONWARNINGS=ignore \
+            "$VENV/bin/python" tests/deepspeed_compare/export_config_adam.py deepspeed "$WORK" "$CASE" | tail -1
+    done
+    exit 0
 fi
 if [ "${1:-}" = "--check-trainer-export" ]; then
     SCRATCH="$(mktemp -d)"

@@ -103,3 +103,32 @@ def config(micro_batch: int, ga: int, threshold: int = 30, **zero) -> dict:
         "gradient_clipping": 0.0,
         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": threshold, **zero},
     }
+
+
+def train_windows(engine, rank: int, world: int, first: int, last: int, ga: int, micro: int, steps: int) -> list[float]:
+    """Optimizer steps `first` to `last` (each `ga` micro-steps) on this rank's slice of
+    `make_batches(steps * ga * world, micro)`; the losses of every micro-step."""
+    batches = make_batches(steps * ga * world, micro)
+    losses = []
+    for step in range(first, last):
+        for index in range(ga):
+            x, y = batches[(step * ga + index) * world + rank]
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+    return losses
+
+
+def optimizer_tensors(engine) -> dict[str, torch.Tensor]:
+    """Copies of every master, its optimizer state and its shard, by parameter name (after
+    the update in flight)."""
+    opt = engine.optimizer
+    opt.wait()
+    out = {}
+    for sp, master in zip(opt.params, opt.masters):
+        out[sp.name] = master.clone()
+        for key, value in opt.optimizer.state[master].items():
+            out[f"{sp.name}/{key}"] = value.clone()
+        out[f"{sp.name}/shard"] = sp.shard.clone()
+    return out

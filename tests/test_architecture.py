@@ -110,14 +110,14 @@ def test_no_import_cycle_among_the_package_modules():
 # Low to high. A module may import modules of its own layer and of the layers below;
 # an import of a higher layer, anywhere in the file, is a forbidden edge.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("foundation", ("zero3.version", "zero3.config", "zero3.platform")),
+    ("foundation", ("zero3.version", "zero3.config", "zero3.platform", "zero3.placement")),
     ("params", ("zero3.params",)),
     ("grads", ("zero3.grads",)),
     ("optim", ("zero3.optim",)),
     ("engine parts", ("zero3.engine_parts", "zero3.estimate")),
     ("checkpoint", ("zero3.checkpoint",)),
-    ("DeepSpeed adapters", ("zero3.compat", "zero3.accelerator", "zero3.comm", "zero3.utils", "zero3.runtime",
-                            "zero3.ops", "zero3.zero")),
+    ("DeepSpeed adapters", ("zero3.compat", "zero3.checkpointing", "zero3.accelerator", "zero3.comm", "zero3.utils", "zero3.runtime",
+                            "zero3.ops", "zero3.zero", "zero3.moe")),
     ("engine", ("zero3.engine",)),
     ("entry points", ("zero3.api", "zero3.cli", "zero3")),
     ("hf", ("zero3.hf",)),
@@ -213,6 +213,18 @@ PUBLIC_PATHS = [
     "zero3.runtime.zero.offload_config.OffloadDeviceEnum", "zero3.utils.torch.required_torch_version",
     "zero3.utils.safe_update_full_grad_vectorized",
     "zero3.runtime.zero.utils.ZeRORuntimeException", "zero3.checkpoint.utils.clone_tensors_for_torch_save",
+    "zero3.get_accelerator", "zero3.moe.utils.split_params_into_different_moe_groups_for_optimizer",
+    "zero3.moe.utils.is_moe_param", "zero3.runtime.utils.see_memory_usage",
+    "zero3.runtime.zero.parameter_offload.ZeROOrderedDict", "zero3.runtime.zero.parameter_offload.ensure_zero_ordered_dict",
+    "zero3.runtime.swap_tensor.MIN_SWAPPABLE_BYTES", "zero3.runtime.swap_tensor.utils.MIN_SWAPPABLE_BYTES",
+    "zero3.runtime.swap_tensor.constants.AIO_BLOCK_SIZE",
+    "zero3.checkpointing.configure", "zero3.checkpointing.checkpoint", "zero3.checkpointing.is_configured",
+    "zero3.checkpointing.get_cuda_rng_tracker", "zero3.checkpointing.model_parallel_cuda_manual_seed",
+    "zero3.checkpointing.reset", "zero3.runtime.activation_checkpointing.checkpointing.configure",
+    "zero3.runtime.activation_checkpointing.checkpointing.checkpoint",
+    "zero3.runtime.activation_checkpointing.checkpointing.is_configured",
+    "zero3.runtime.activation_checkpointing.checkpointing.get_cuda_rng_tracker",
+    "zero3.runtime.activation_checkpointing.checkpointing.model_parallel_cuda_manual_seed",
 ]
 HF_PATHS = ["zero3.hf.Trainer", "zero3.hf.trainer_class", "zero3.hf.ConfigFillError",
             "zero3.hf.UnsupportedOptionError"]
@@ -300,6 +312,25 @@ def test_storage_identity_and_resize_release():
     assert p.sum().item() == sum(range(1, 13))
 
 
+def test_storage_use_count_and_moving_a_parameter_off_a_shared_storage():
+    """released.py's release that keeps aliases: torch._C._storage_Use_Count counts the
+    tensors (and Python handles) on a storage, NumPy views included; `p.data = t` moves the
+    parameter to t's storage and a tensor that shared the old one keeps it and its values."""
+    p = nn.Parameter(torch.arange(12.0).view(3, 4))
+    storage = p.untyped_storage()
+    assert torch._C._storage_Use_Count(storage._cdata) == 2  # the parameter and `storage`
+    alias, array = p.detach(), p.detach().numpy()
+    assert torch._C._storage_Use_Count(storage._cdata) == 4
+    p.data = torch.empty_strided(p.shape, p.stride())
+    p.untyped_storage().resize_(0)
+    assert p.untyped_storage().nbytes() == 0 and p.shape == (3, 4)
+    assert alias.sum().item() == array.sum() == sum(range(12))
+    p.untyped_storage().resize_(12 * 4)
+    with torch.no_grad():
+        p.copy_(alias + 1)
+    assert p.sum().item() == sum(range(1, 13)) and p.stride() == (4, 1)
+
+
 def test_module_attribute_reads_go_through_parameters_getitem():
     """discovery.TrackedParameters: `module.weight` reads `_parameters[name]` via __getitem__."""
     reads = []
@@ -384,3 +415,24 @@ def test_class_change_and_torch_function_sealing():
     assert seen == []
     device, dtype, non_blocking, memory_format = torch._C._nn._parse_to("cpu", torch.float16)
     assert (str(device), dtype, non_blocking, memory_format) == ("cpu", torch.float16, False, None)
+
+
+def test_top_saved_tensor_hooks_and_reentrant_checkpoint_saves_through_them():
+    """checkpointing/offload.py: `torch._C._autograd._top_saved_tensors_default_hooks(False)`
+    gives the (pack, unpack) pair active now (None outside any), and a reentrant
+    `torch.utils.checkpoint` saves its tensor inputs through the active pack hook."""
+    from torch.autograd.graph import saved_tensors_hooks
+    from torch.utils.checkpoint import checkpoint
+
+    def pack(t):
+        return t
+
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    packed = []
+    x = torch.ones(3, requires_grad=True)
+    with saved_tensors_hooks(pack, pack):
+        assert torch._C._autograd._top_saved_tensors_default_hooks(False)[0] is pack
+        with saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
+            y = checkpoint(lambda a: (a * a).sum(), x, use_reentrant=True)
+    y.backward()
+    assert len(packed) == 1 and packed[0] is x and torch.equal(x.grad, 2 * torch.ones(3))

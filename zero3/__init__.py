@@ -1,12 +1,13 @@
 """zero3: a ZeRO stage 3 training engine for PyTorch with DeepSpeed's config and engine API.
 
     import zero3 as deepspeed
-    from zero3.accelerator import get_accelerator
+    from zero3.accelerator import get_accelerator     # or, as DeepSpeed allows, from zero3
 """
 
 from __future__ import annotations
 
-from zero3 import comm, ops, runtime, utils, zero
+from zero3 import checkpointing, comm, moe, ops, runtime, utils, zero
+from zero3.accelerator import get_accelerator
 from zero3.api import initialize
 from zero3.checkpoint.errors import CheckpointError
 from zero3.config import ConfigError, DeepSpeedConfigError
@@ -21,6 +22,7 @@ from zero3.params.units import (
     set_z3_leaf_modules_by_suffix,
     unset_z3_leaf_modules,
 )
+from zero3.placement.plan import PlacementError
 from zero3.platform.process_group import add_config_arguments, init_distributed
 from zero3.version import __version__
 from zero3.zero import Init
@@ -28,8 +30,9 @@ from zero3.zero import Init
 DeepSpeedEngine = Engine
 
 __all__ = [
-    "CheckpointError", "ConfigError", "DeepSpeedConfigError", "add_config_arguments", "comm", "ops", "runtime", "utils", "DivergenceError", "DeepSpeedEngine", "Engine", "EngineError",
-    "GatheredParameters", "Init", "estimate_memory", "gathered_for_generation", "init_distributed", "initialize",
+    "CheckpointError", "ConfigError", "checkpointing", "DeepSpeedConfigError", "add_config_arguments", "comm", "ops", "runtime", "utils", "DivergenceError", "DeepSpeedEngine", "Engine", "EngineError",
+    "GatheredParameters", "Init", "PlacementError", "estimate_memory", "get_accelerator", "moe",
+    "gathered_for_generation", "init_distributed", "initialize",
     "register_external_parameter", "set_z3_leaf_modules", "set_z3_leaf_modules_by_name",
     "set_z3_leaf_modules_by_suffix", "unset_z3_leaf_modules", "zero",
 ]

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from zero3.checkpointing.settings import apply_engine_config
 from zero3.config import ConfigError, Zero3Config, from_deepspeed
 from zero3.engine import Engine
 from zero3.params.init import Init
@@ -42,6 +43,7 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     if accelerator.device_name() == "cuda":
         accelerator.set_device(choose_cuda_device())  # the device by the rule of device.py, the shard by RANK
     parsed = _parse_on_every_rank(config, world_size)
+    apply_engine_config(parsed.activation_checkpointing)  # zero3.checkpointing's settings, unless configured
     with Init.paused():  # called inside zero3.Init: the model built there is adopted
         engine = Engine(model, parsed, optimizer=optimizer, model_parameters=model_parameters,
                         lr_scheduler=lr_scheduler)

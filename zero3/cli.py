@@ -4,10 +4,11 @@
     zero3 checkpoint verify  DIR [--tag T | --all]
     zero3 checkpoint export  DIR OUT.safetensors [--tag T] [--dtype fp32|bf16|fp16]
     zero3 checkpoint import-deepspeed SRC DST [--tag T]
-    zero3 checkpoint export-deepspeed SRC DST --world-size N [--sub-group-size S] [--tag T]
+    zero3 checkpoint export-deepspeed SRC DST --world-size N [--sub-group-size S] [--optimizer O] [--tag T]
     zero3 estimate (--params N [--trainable N] | --model-config config.json) --world-size W
                    [--config ds_config.json] [--dtype ...] [--offload-param] [--offload-optimizer]
                    [--persistence-threshold N] [--optimizer adamw|sgd|sgd-momentum] [--json]
+                   [--gpu-budget BYTES | --gpu-memory BYTES] [--activation-reserve BYTES] [--ratio R]
 
 DIR is a save_dir (holding tags and `latest`) or one tag folder. Without --tag, verify
 and export take the checkpoint a tag-less `engine.load_checkpoint(DIR)` would load.
@@ -37,7 +38,6 @@ from zero3.checkpoint.deepspeed.layout import DeepSpeedCheckpoint, is_deepspeed_
 from zero3.checkpoint.deepspeed.unpickle import DeepSpeedCheckpointError
 from zero3.checkpoint.paths import checked_tag
 
-DEEPSPEED_SUB_GROUP_SIZE = 1_000_000_000  # DeepSpeed 0.19's zero_optimization.sub_group_size default
 
 
 def _human(size: int) -> str:
@@ -169,14 +169,18 @@ def import_deepspeed(src: Path, dst: Path, tag: str | None) -> int:
     return 0
 
 
-def export_deepspeed(src: Path, dst: Path, world_size: int, sub_group_size: int, tag: str | None) -> int:
+def export_deepspeed(src: Path, dst: Path, world_size: int, sub_group_size: int | None, tag: str | None,
+                     optimizer: str | None = None) -> int:
     from zero3.checkpoint.deepspeed.exporter import export_deepspeed as run_export
 
-    summary = run_export(src, dst, world_size, sub_group_size, tag)
+    summary = run_export(src, dst, world_size, sub_group_size, tag, optimizer)
     print(f"wrote {summary['folder']}: DeepSpeed ZeRO-3 layout for {summary['world_size']} ranks, "
           f"{summary['sub_groups']} sub-groups, {len(summary['files'])} files, {_human(summary['bytes'])}, global "
           f"step {summary['global_steps']}; {dst / ckpt.LATEST} -> {summary['tag']}. Load it with DeepSpeed on "
-          f"{summary['world_size']} ranks with zero_optimization.sub_group_size {sub_group_size}")
+          f"{summary['world_size']} ranks with zero_optimization.sub_group_size {summary['sub_group_size']} "
+          f"({summary['sub_group_size_from']}); param groups and steps written for DeepSpeed's "
+          f"{summary['optimizer']} optimizer ({summary['optimizer_from']}; --optimizer fused|cpu-adam|torch "
+          "overrides)")
     if summary["trainer_files"]:
         print(f"a Trainer checkpoint: copied {', '.join(summary['trainer_files'])} into {dst}; resume it with "
               f"Trainer(args=TrainingArguments(..., deepspeed=ds_config)).train(resume_from_checkpoint={str(dst)!r})")
@@ -251,6 +255,8 @@ def _estimate_config(args: argparse.Namespace) -> dict:
             config[args.dtype] = {"enabled": True}
     if args.async_checkpoint:
         config.setdefault("checkpoint", {})["async_save"] = True
+    if args.ratio is not None:
+        zero.setdefault("offload_optimizer", {"device": "cpu"})["ratio"] = args.ratio
     if args.optimizer:
         momentum = 0.9 if args.optimizer == "sgd-momentum" else 0.0
         config["optimizer"] = ({"type": "AdamW", "params": {"lr": 1e-3}} if args.optimizer == "adamw"
@@ -280,7 +286,28 @@ def estimate(args: argparse.Namespace) -> int:
     else:
         print(f"  plus the largest fetch unit gathered while it runs ({_human(result.gathered_unit)}, "
               "twice with prefetch) and activations")
+    if args.gpu_budget or args.gpu_memory or args.ratio is not None:
+        _print_placement(args, model)
     return 0
+
+
+def _print_placement(args: argparse.Namespace, model) -> None:
+    """The placement the engine would make (estimate.estimate_placement) and its peak."""
+    from zero3.config import bytes_or_auto
+    from zero3.estimate import estimate_placement
+    from zero3.placement.budget import margin
+
+    reserve = bytes_or_auto("--activation-reserve", args.activation_reserve) or 0
+    budget = bytes_or_auto("--gpu-budget", args.gpu_budget) if args.gpu_budget else None
+    if args.gpu_memory:
+        capacity = bytes_or_auto("--gpu-memory", args.gpu_memory)
+        budget = max(capacity - reserve - margin(capacity), 0)
+    found = estimate_placement(model, args.world_size, _estimate_config(args), budget, reserve, args.trainable)
+    print(found.plan.describe())
+    for unit in found.plan.units:
+        print(f"  {unit.name:40} shards: {unit.params.value:6}  optimizer: {unit.state.value}")
+    print(f"predicted device peak: {_human(found.predicted_peak)} (engine {_human(found.plan.device_bytes)} "
+          f"+ activations {_human(reserve)})")
 
 
 # ------------------------------------------------------------------------ main
@@ -311,8 +338,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("dst", type=Path, help="the DeepSpeed save_dir (or Trainer checkpoint-N) to write; its tag "
                    "folder must not exist")
     p.add_argument("--world-size", type=int, required=True, help="data-parallel ranks DeepSpeed will load it on")
-    p.add_argument("--sub-group-size", type=int, default=DEEPSPEED_SUB_GROUP_SIZE,
-                   help="the DeepSpeed run's zero_optimization.sub_group_size (default: DeepSpeed's, 1e9)")
+    p.add_argument("--sub-group-size", type=int,
+                   help="the DeepSpeed run's zero_optimization.sub_group_size (default: the checkpoint's recorded "
+                        "config's, else DeepSpeed's 1e9)")
+    p.add_argument("--optimizer", choices=["fused", "cpu-adam", "torch"],
+                   help="the optimizer the DeepSpeed run builds: FusedAdam (config Adam/AdamW), DeepSpeedCPUAdam "
+                        "(the same under offload_optimizer) or a torch optimizer (client, or torch_adam); default: "
+                        "what the checkpoint's recorded config builds, else torch")
     p.add_argument("--tag", help="the zero3 tag to export (default: what a tag-less load would pick)")
     p = commands.add_parser("estimate", help="per-rank memory of a model for a world size and config")
     source = p.add_mutually_exclusive_group(required=True)
@@ -330,6 +362,14 @@ def _parser() -> argparse.ArgumentParser:
                    help="checkpoint.async_save: count the host buffer of asynchronous saves")
     p.add_argument("--optimizer", choices=["adamw", "sgd", "sgd-momentum"], help="default: the config's, else AdamW")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--gpu-budget", help='placement.gpu_budget: bytes the engine\'s tensors may hold on the GPU '
+                   '("40GiB"); prints the placement and the predicted peak')
+    p.add_argument("--gpu-memory", help="instead of --gpu-budget: the card's memory (\"80GB\"); the budget is it "
+                   "less --activation-reserve and the engine's margin, as the engine's auto budget")
+    p.add_argument("--activation-reserve", default="0", help="activations at your micro-batch (the engine logs "
+                   "what it measured after its first window under an auto budget); added to the predicted peak")
+    p.add_argument("--ratio", type=float, help="offload_optimizer.ratio (DeepSpeed's share of the optimizer "
+                   "state on the host)")
     return parser
 
 
@@ -352,7 +392,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.action == "import-deepspeed":
             return import_deepspeed(args.dir, args.dst, args.tag)
         if args.action == "export-deepspeed":
-            return export_deepspeed(args.dir, args.dst, args.world_size, args.sub_group_size, args.tag)
+            return export_deepspeed(args.dir, args.dst, args.world_size, args.sub_group_size, args.tag,
+                                    args.optimizer)
         return export(args.dir, args.out, args.tag, args.dtype)
     except (ckpt.CheckpointError, DeepSpeedCheckpointError) as exc:
         print(f"zero3: {exc}", file=sys.stderr)

@@ -31,6 +31,7 @@ import logging
 import math
 import os
 import sys
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, NoReturn, Union
 
@@ -44,6 +45,9 @@ __all__ = [
     "OffloadConfig",
     "LeafModuleConfig",
     "ZeroConfig",
+    "ActivationCheckpointingConfig",
+    "activation_checkpointing_of",
+    "checked_activation_checkpointing",
     "PrecisionConfig",
     "ComponentSpec",
     "Zero3Config",
@@ -130,6 +134,9 @@ DEEPSPEED_ZERO_KEYS: tuple[str, ...] = (
     "mics_shard_size", "mics_hierarchical_params_gather", "zeropp_loco_param",
 )
 
+# Top-level sections of zero3's own (DeepSpeed ignores top-level keys it does not know).
+ZERO3_TOP_LEVEL_KEYS: tuple[str, ...] = ("placement",)
+
 DEEPSPEED_OFFLOAD_PARAM_KEYS: tuple[str, ...] = (
     "device", "nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "pin_memory",
 )
@@ -173,6 +180,9 @@ class OffloadConfig:
     pin_memory: bool = False  # from_deepspeed fills DeepSpeed's default (True) when a section is given
     # offload_optimizer only: run the CPU update behind the next forward ("auto", True, False)
     overlap_step: bool | str = "auto"
+    # offload_optimizer only: DeepSpeed's ratio, the share of the optimizer state on the host
+    # (None: not given; the placement budget decides, zero3/placement/plan.py)
+    ratio: float | None = None
 
     @property
     def enabled(self) -> bool:
@@ -191,6 +201,42 @@ class LeafModuleConfig:
     classes: tuple[str, ...] = _DEFAULT_LEAF_CLASSES
     names: tuple[str, ...] = ()
     name_suffixes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class PlacementConfig:
+    """The ``placement`` section (zero3 only; DeepSpeed ignores top-level keys it does not know).
+
+    ``gpu_budget``: bytes of device memory the engine's own tensors may hold (parameter
+    shards, gradient shards, masters, optimizer state, resident parameters, gathered units
+    and gradient buckets; activations are outside it); None: "auto", the device's free
+    memory less the activation reserve and a margin. ``activation_reserve``: bytes kept
+    free for activations under the "auto" budget; None: measured over the first
+    accumulation window. Both matter only where something is offloaded.
+    """
+
+    gpu_budget: int | None = None
+    activation_reserve: int | None = None
+
+
+@dataclass(frozen=True)
+class ActivationCheckpointingConfig:
+    """The ``activation_checkpointing`` section: how ``zero3.checkpointing.checkpoint`` (DeepSpeed's
+    ``deepspeed.checkpointing.checkpoint``) runs. ``zero3.initialize`` applies it unless the
+    script called ``configure()`` itself; ``configure(mpu, deepspeed_config=...)`` reads it as
+    DeepSpeed does. What each field does, and what it cannot do without model parallelism, is
+    written in zero3/checkpointing/settings.py.
+
+    Invariant: ``contiguous_memory_optimization`` implies ``partition_activations`` and a
+    ``number_checkpoints`` (DeepSpeed asserts the same in ``configure``).
+    """
+
+    partition_activations: bool = False
+    contiguous_memory_optimization: bool = False
+    cpu_checkpointing: bool = False
+    number_checkpoints: int | None = None
+    synchronize_checkpoint_boundary: bool = False
+    profile: bool = False
 
 
 @dataclass(frozen=True)
@@ -304,8 +350,11 @@ class Zero3Config:
     checkpoint_tag_validation: str
     checkpoint_arrival_timeout: float
     checkpoint_async_save: bool
+    placement: PlacementConfig
+    checkpoint_load_rng_state: bool
     throughput_timer_enabled: bool
     throughput_timer_synchronized: bool
+    activation_checkpointing: ActivationCheckpointingConfig
     raw: dict
 
     # DeepSpeed's `engine.config` is the JSON dict it was given: read it the same way.
@@ -663,6 +712,43 @@ def _offload_device(key: str, value: Any) -> str:
     return value
 
 
+def _ratio(key: str, value: Any) -> float:
+    """Converter for ``offload_optimizer.ratio``: a number from 0 to 1, as DeepSpeed validates it."""
+    ratio = _float(0.0)(key, value)
+    if ratio > 1.0:
+        _fail(key, value, "must be between 0 and 1", "Write the share of the optimizer state to offload, "
+              "e.g. 0.3 (1.0: all of it, 0.0: none).")
+    return ratio
+
+
+_BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+
+
+def bytes_or_auto(key: str, value: Any) -> int | None:
+    """Converter: "auto" / null (None), a byte count, or a string such as "40GiB" / "38.5 GB"."""
+    if value is None or value == "auto":
+        return None
+    if isinstance(value, str):
+        match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", value)
+        if match is None or match.group(2).lower() not in _BYTE_UNITS:
+            _fail(key, value, "not a byte size", 'Write "auto", a number of bytes, or e.g. "40GiB" / "38GB".')
+        return int(float(match.group(1)) * _BYTE_UNITS[match.group(2).lower()])
+    return _to_int(key, value, 0)
+
+
+_PLACEMENT_RULES: dict[str, _Rule] = {
+    "gpu_budget": _Map("gpu_budget", bytes_or_auto,
+                       'zero3 only: device bytes the engine\'s own tensors may hold ("auto", the default: the '
+                       "device's free memory less the activation reserve and a margin; or bytes, \"40GiB\"); "
+                       "what is offloaded but fits stays on the device"),
+    "activation_reserve": _Map("activation_reserve", bytes_or_auto,
+                               'zero3 only: device bytes left for activations under an "auto" budget ("auto", '
+                               "the default: measured over the first accumulation window, then the state is "
+                               "placed once)"),
+}
+
+
 def _overlap_step(key: str, value: Any) -> bool | str:
     """Converter for ``offload_optimizer.overlap_step``: "auto", true or false."""
     if value is None or value == "auto":
@@ -694,13 +780,15 @@ _OFFLOAD_OPTIMIZER_RULES: dict[str, _Rule] = {
     "pipeline_read": _off(False, f"{_NVME}; pipelined reads are an NVMe feature"),
     "pipeline_write": _off(False, f"{_NVME}; pipelined writes are an NVMe feature"),
     "fast_init": _off(False, f"{_NVME}; fast_init applies to NVMe optimizer state"),
-    "ratio": _off(1.0, "zero3 offloads all optimizer state or none (no partial offload)",
-                  'Remove the key, or set offload_optimizer.device to "none".'),
+    "ratio": _Map("ratio", _ratio, "DeepSpeed's share of the optimizer state on the host (0 to 1): of the "
+                  "fetch units with trainable parameters, in module order, the first int((1 - ratio) * n) keep "
+                  "their optimizer state on the device and step there; without it, placement.gpu_budget "
+                  "decides"),
     "super_offload": _off(False, "SuperOffload (Superchip CPU offload) is not implemented"),
     "overlap_step": _Map("overlap_step", _overlap_step,
-                         'zero3 only: "auto" (default), true or false: the CPU optimizer update '
-                         "runs behind the next forward, unit by unit (with offload_param on the "
-                         'CPU too; "auto": when the compute device is a GPU)'),
+                         'zero3 only: "auto" (default), true or false: the CPU optimizer update of '
+                         "the host-side units runs behind the next forward, unit by unit "
+                         '("auto": when the compute device is a GPU)'),
     "cpuadam_cores_perc": _off(0.8, "zero3 has no DeepSpeed CPU Adam; the key applies only "
                                "with super_offload"),
 }
@@ -988,6 +1076,11 @@ _ADAM_PARAMS: dict[str, Converter] = {
 _SGD_PARAMS: dict[str, Converter] = {
     **_TORCH_COMMON_PARAMS, "momentum": _float(0.0), "dampening": _float(0.0), "nesterov": _bool,
 }
+# What DeepSpeed 0.19.8 builds for "Adam" / "AdamW" (FusedAdam, or DeepSpeedCPUAdam under
+# offload_optimizer) defaults to these; torch's AdamW differs in weight_decay (0.01). With
+# "torch_adam": true DeepSpeed builds torch's own optimizer, so torch's defaults apply.
+# "SGD" is torch's SGD under both. tests/optim/test_optimizer_defaults.py states each.
+DEEPSPEED_ADAM_DEFAULTS: dict[str, Any] = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
 # DeepSpeed-only Adam params: consumed here, never passed to torch.
 _ADAM_DS_PARAMS: dict[str, Callable[[Any], bool] | None] = {
     "adam_w_mode": None,  # mapped: chooses Adam vs AdamW
@@ -1028,8 +1121,10 @@ def _optimizer_params(key: str, kind: str, params: dict) -> tuple[str, dict]:
                   f"{hint}Known: {', '.join(sorted([*allowed, *extras]))}.")
     if kind == "SGD":
         return "SGD", kwargs
-    adamw = kind == "AdamW" or params.get("adam_w_mode", True)  # DeepSpeed: Adam means AdamW by default
-    return ("AdamW" if adamw else "Adam"), kwargs
+    if not _bool(f"{key}.params.torch_adam", params.get("torch_adam", False)):
+        kwargs = {**DEEPSPEED_ADAM_DEFAULTS, **kwargs}
+    adamw = kind == "AdamW" or _bool(f"{key}.params.adam_w_mode", params.get("adam_w_mode", True))
+    return ("AdamW" if adamw else "Adam"), kwargs  # DeepSpeed: Adam means AdamW unless adam_w_mode is false
 
 
 _OPTIMIZER_HEADER: dict[str, _Rule] = {
@@ -1180,6 +1275,10 @@ _CHECKPOINT_RULES: dict[str, _Rule] = {
                        "zero3: save_checkpoint returns once a host snapshot is taken and writes in the "
                        "background (default false; save_checkpoint(async_save=) overrides it per call); "
                        "initialize allocates the snapshot's host buffer"),
+    "load_rng_state": _Map("load_rng_state", _bool,
+                           "zero3: load_checkpoint also restores each rank's Python, NumPy and torch (and CUDA) "
+                           "RNG states saved with the checkpoint (default false: as DeepSpeed, the RNG is left "
+                           "as it is)"),
     "load_universal": _off(False, "DeepSpeed's universal checkpoint format is not read by zero3",
                            "Remove the key: zero3 checkpoints load on any world size."),
     "use_node_local_storage": _off(False, "zero3 writes every checkpoint to one shared directory"),
@@ -1202,10 +1301,55 @@ def _timers(key: str, value: Any) -> dict[str, Any]:
     return _parse_section(_Section(key, _TIMERS_RULES, auto_is_default=False), value).get("throughput", {})
 
 
-_ACTIVATION_CHECKPOINTING_DEFAULTS = {
-    "partition_activations": False, "number_checkpoints": None, "contiguous_memory_optimization": False,
-    "synchronize_checkpoint_boundary": False, "profile": False, "cpu_checkpointing": False,
+_ACTIVATION_CHECKPOINTING_RULES: dict[str, _Rule] = {
+    "partition_activations": _Map("partition_activations", _bool,
+                                  "split each checkpoint's saved inputs across the model-parallel group "
+                                  "(an mpu given to configure); with no model parallelism there is nothing "
+                                  "to split and the inputs are kept whole"),
+    "contiguous_memory_optimization": _Map("contiguous_memory_optimization", _bool,
+                                           "validated as DeepSpeed does (needs partition_activations and "
+                                           "number_checkpoints); no further effect: zero3 keeps the saved "
+                                           "inputs as they are, so there are no partition copies to pack"),
+    "cpu_checkpointing": _Map("cpu_checkpointing", _bool,
+                              "keep each checkpoint's saved inputs in pinned host memory (copied on a side "
+                              "stream on a GPU) and bring them back for the recomputation"),
+    "number_checkpoints": _Map("number_checkpoints", _int_or_none(1),
+                               "checkpoints in a forward: sizes DeepSpeed's contiguous buffers; validated, "
+                               "no further effect"),
+    "synchronize_checkpoint_boundary": _Map("synchronize_checkpoint_boundary", _bool,
+                                            "synchronize the device before and after each checkpoint's "
+                                            "forward and recomputation"),
+    "profile": _Map("profile", _bool, "log the time of each checkpoint's forward and recomputation (rank 0)"),
 }
+
+
+def _activation_checkpointing(key: str, value: Any) -> ActivationCheckpointingConfig:
+    values = _parse_section(_Section(key, _ACTIVATION_CHECKPOINTING_RULES, auto_is_default=False), value)
+    return checked_activation_checkpointing(ActivationCheckpointingConfig(**values), key + ".")
+
+
+def checked_activation_checkpointing(settings: ActivationCheckpointingConfig,
+                                     prefix: str = "") -> ActivationCheckpointingConfig:
+    """`settings` if it holds ActivationCheckpointingConfig's invariant; else ConfigError naming
+    the keys (each spelled with ``prefix``) and the fix."""
+    if settings.contiguous_memory_optimization and not settings.partition_activations:
+        _fail(f"{prefix}contiguous_memory_optimization", True, "contiguous checkpointing works only with "
+              f"partitioned activations ({prefix}partition_activations is false)",
+              "Set partition_activations true, or contiguous_memory_optimization false.")
+    if settings.contiguous_memory_optimization and settings.number_checkpoints is None:
+        _fail(f"{prefix}number_checkpoints", None, "contiguous checkpointing needs the number of "
+              "checkpoints in a forward", "Set number_checkpoints to the number of checkpointed blocks.")
+    return settings
+
+
+def activation_checkpointing_of(config: "dict | str | os.PathLike") -> ActivationCheckpointingConfig:
+    """The ``activation_checkpointing`` section of a DeepSpeed config (a dict, a JSON path or
+    base64 JSON), parsed alone: the rest of the config is not validated here (DeepSpeed's
+    ``checkpointing.configure(deepspeed_config=...)`` reads only this section too)."""
+    raw = _load(config)
+    return _activation_checkpointing("activation_checkpointing", raw.get("activation_checkpointing") or {})
+
+
 _AIO_DEFAULTS = {
     "block_size": 1048576, "queue_depth": 8, "intra_op_parallelism": 1, "single_submit": False,
     "overlap_events": True, "use_gds": False,
@@ -1271,6 +1415,8 @@ _TOP_RULES: dict[str, _Rule] = {
                                  "drop the last incomplete batch of training_data's loader"),
     "checkpoint": _Map("_checkpoint", _section_values(_CHECKPOINT_RULES, auto_is_default=False),
                        "checkpoint.tag_validation; see the checkpoint table"),
+    "placement": _Map("_placement", _section_values(_PLACEMENT_RULES, auto_is_default=False),
+                      "zero3 only: the GPU memory budget of offloaded state; see the placement table"),
     # accepted with the values zero3 satisfies
     "managed_gradient_accumulation": _Only(_is(True), "true (DeepSpeed's default)",
                                            "zero3 steps the optimizer only at the accumulation boundary",
@@ -1287,11 +1433,9 @@ _TOP_RULES: dict[str, _Rule] = {
                                                    "does not have"),
     "sequence_parallel_size": _Only(_is(1), "1", "sequence parallelism is not implemented", _REMOVE),
     "use_data_before_expert_parallelism": _off(False, "expert parallelism is not implemented"),
-    "activation_checkpointing": _Only(_defaults_only(_ACTIVATION_CHECKPOINTING_DEFAULTS),
-                                      _shown_defaults(_ACTIVATION_CHECKPOINTING_DEFAULTS),
-                                      "these configure deepspeed.checkpointing, which zero3 does not "
-                                      "provide", "Use torch.utils.checkpoint (reentrant or not); "
-                                      "remove the block."),
+    "activation_checkpointing": _Map("activation_checkpointing", _activation_checkpointing,
+                                     "zero3.checkpointing.checkpoint's options (DeepSpeed's "
+                                     "deepspeed.checkpointing); see the activation_checkpointing table"),
     "aio": _Only(_defaults_only(_AIO_DEFAULTS), _shown_defaults(_AIO_DEFAULTS),
                  "aio configures NVMe offload, which zero3 does not support", _REMOVE),
     "pipeline": _Inert("DeepSpeed reads it only for a PipelineModule, and zero3 has no pipeline parallelism"),
@@ -1454,8 +1598,11 @@ def from_deepspeed(config: "dict | str | os.PathLike", world_size: int) -> Zero3
         checkpoint_tag_validation=values.get("_checkpoint", {}).get("tag_validation", "WARN"),
         checkpoint_arrival_timeout=values.get("_checkpoint", {}).get("arrival_timeout", 60.0),
         checkpoint_async_save=values.get("_checkpoint", {}).get("async_save", False),
+        placement=PlacementConfig(**values.get("_placement", {})),
+        checkpoint_load_rng_state=values.get("_checkpoint", {}).get("load_rng_state", False),
         throughput_timer_enabled=timers.get("throughput_timer_enabled", True),
         throughput_timer_synchronized=timers.get("throughput_timer_synchronized", True),
+        activation_checkpointing=values.get("activation_checkpointing", ActivationCheckpointingConfig()),
         raw=copy.deepcopy(raw),
     )
 
@@ -1475,6 +1622,8 @@ _DOC_SECTIONS: tuple[tuple[str, Mapping[str, _Rule], str], ...] = (
     ("fp16", _FP16_RULES, "precision."),
     ("data_types", _DATA_TYPES_RULES, ""),
     ("checkpoint", _CHECKPOINT_RULES, ""),
+    ("activation_checkpointing", _ACTIVATION_CHECKPOINTING_RULES, "activation_checkpointing."),
+    ("placement", _PLACEMENT_RULES, "placement."),
     ("timers", _TIMERS_RULES, ""),
     ("timers.throughput", _THROUGHPUT_RULES, ""),
     ("optimizer", _OPTIMIZER_HEADER, "optimizer."),
@@ -1488,7 +1637,7 @@ _DOC_FIELDS = {
     "_checkpoint": "checkpoint_tag_validation", "enabled": "precision.dtype",
     "check_grad_overflow": "precision.check_grad_overflow", "param_dtype": "checked against precision.dtype",
     "tag_validation": "checkpoint_tag_validation", "arrival_timeout": "checkpoint_arrival_timeout",
-    "async_save": "checkpoint_async_save",
+    "async_save": "checkpoint_async_save", "_placement": "placement", "load_rng_state": "checkpoint_load_rng_state",
     "throughput": "throughput_timer_*",
 }
 

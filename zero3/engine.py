@@ -43,9 +43,11 @@ from zero3.compat.engine_surface import EngineSurface
 from zero3.compat.param_status import mark_managed
 from zero3.config import Zero3Config
 from zero3.engine_parts import build, diagnostics, generation
+from zero3.engine_parts import placement as placement_parts
 from zero3.engine_parts.build import EngineError, EngineUsageError
 from zero3.engine_parts.counters import StepCounters
 from zero3.engine_parts.owner import ParamOwner, register, unregister
+from zero3.engine_parts.state_offload import StateOffload
 from zero3.engine_parts.rank_agreement import check_ranks_agree, config_items, model_items, optimizer_items
 from zero3.engine_parts.timers import StepTimers, ThroughputTimer
 from zero3.engine_parts.views import OptimizerAccess, ShardedModel
@@ -105,25 +107,27 @@ class Engine(EngineSurface, nn.Module):
         self.module = model
         self.named_params = list(self.module.named_parameters())
         self.table = build.shard_parameters(self.named_params, init_shards, config, self.comm, self.device)
-        for p in self.table:
-            mark_managed(p)  # DeepSpeed's read-only ds_status / ds_shape / ds_numel
-        self.param_names = {sp.param: sp.name for sp in self.table.values()}
         self.units = build_units(self.module, self.table, config.zero.module_granularity_threshold,
                                  leaf_module=config.zero.leaf_module)
-        declare_config_leaves(self.module, config.zero.leaf_module)
-        self.master_device = (
-            torch.device("cpu") if config.zero.offload_optimizer.device == "cpu" else self.device
-        )
         client_optimizer = build.resolve_optimizer(config, optimizer, model_parameters, self.module)
+        self.placement, budget_choice = placement_parts.agreed_placement(
+            config, self.table, self.units, client_optimizer, self.device, self.comm)
+        placement_parts.settle_parameters(self.table, self.placement, self.comm, config.zero.offload_param)
+        mark_managed(self.table)  # DeepSpeed's read-only ds_status / ds_shape / ds_numel
+        self.param_names = {sp.param: sp.name for sp in self.table.values()}
+        declare_config_leaves(self.module, config.zero.leaf_module)
         background = build.host_step_overlap(config, client_optimizer, self.device)
-        self.reducer = build.build_reducer(config, self.table, self.units, self.comm, self.master_device, background)
+        self.reducer = build.build_reducer(config, self.table, self.units, self.comm, self.placement, background)
         self.late_params = LateParameters(self.table, self.device, self.compute_dtype, self.comm.rank)
         self.fetcher = build.build_fetcher(config, self.module, self.table, self.units, self.comm, self.device,
                                            self._end_backward, self.reducer, self.late_params.adopt, background)
         self.optimizer = build.build_sharded_optimizer(config, client_optimizer, self.table, self.comm,
-                                                       self.master_device, self.fetcher, self.reducer.usage,
+                                                       self.placement, self.fetcher, self.reducer.usage,
                                                        background)
         self.lr_scheduler = build.resolve_scheduler(config, lr_scheduler, self.optimizer)
+        self.placement_watch = placement_parts.MeasuredPlacement(placement_parts.PlacementOwners(
+            config, self.table, self.units, self.placement, self.optimizer, self.reducer.sink, client_optimizer),
+            budget_choice, self.comm.rank)  # moves what fits to the device after a measured first window
         self.compiled_units = CompiledUnits(self.units, lambda: self.fetcher.root_forwards)
         for request in compile_requests:
             self.compiled_units.apply(request)
@@ -133,13 +137,22 @@ class Engine(EngineSurface, nn.Module):
         self._destroyed = False
         diagnostics.report_config(config, self.comm.rank)
 
+    def set_gpu_budget(self, budget: int) -> None:
+        """Place the state anew under `budget` bytes of device memory, between steps: what
+        fits moves to the device, the rest to the host (engine_parts/placement.py). Raises
+        PlacementError, moving nothing, when the budget cannot hold what must be there."""
+        self._check_alive()
+        self._settle()
+        self.placement_watch.place_under(int(budget), "set_gpu_budget")
+
     def _build_views(self) -> None:
         """The typed views that checkpoints, exports, GatheredParameters, generation and
         the parameter accessors read (engine_parts/views.py, engine_parts/owner.py), over the parts built above."""
         self.sharded_model = ShardedModel(self.module, self.table, self.comm, self.device, self.compute_dtype)
         self.optimizer_access = OptimizerAccess(self.optimizer)
+        self.state_offload = StateOffload(self.sharded_model, self.optimizer_access)
         self.param_owner = ParamOwner(self.sharded_model, self.optimizer_access, self.fetcher, self.reducer.flush,
-                                      self.master_device)
+                                      self.placement)
 
     def _init_counters(self) -> None:
         """DeepSpeed's counters and timers, and the per-call flags of backward and step."""
@@ -167,7 +180,7 @@ class Engine(EngineSurface, nn.Module):
 
     # ------------------------------------------------------------ training API
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        self._check_alive()
+        self._check_trainable()
         if self.config.precision.auto_cast:
             args, kwargs = _cast_floating((args, kwargs), self.compute_dtype)
         self.tput_timer.start()
@@ -182,7 +195,7 @@ class Engine(EngineSurface, nn.Module):
 
         Returns what DeepSpeed's returns: the loss divided by gradient_accumulation_steps
         (when `scale_wrt_gas`), without the fp16 loss scale."""
-        self._check_alive()
+        self._check_trainable()
         if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
             raise EngineUsageError(
                 f"engine.backward(loss) needs a scalar tensor that requires grad, got {type(loss).__name__}"
@@ -295,7 +308,7 @@ class Engine(EngineSurface, nn.Module):
         Counters as DeepSpeed 0.19.8: `micro_steps` counts step() calls; `global_steps`
         and `global_samples` (by train_batch_size) advance at each boundary, skipped
         overflow steps included."""
-        self._check_alive()
+        self._check_trainable()
         if self.reducer.coalescing:
             raise EngineError("engine.step() inside coalesce_grad_reduction(): call it after the block, "
                               "whose exit reduces the gradients the step needs")
@@ -312,6 +325,7 @@ class Engine(EngineSurface, nn.Module):
             self.global_steps += 1
             self.global_samples += self.config.train_batch_size
             self._report_progress()
+            self.placement_watch.after_boundary()
             diagnostics.collect_garbage(self._gc_disabled_here)
         self.tput_timer.stop(global_step=boundary)
         self.micro_steps += 1
@@ -433,21 +447,9 @@ class Engine(EngineSurface, nn.Module):
                     self.config.checkpoint_tag_validation, self.config.zero.gather_16bit_weights_on_model_save)
 
     def prepare_async_checkpoint(self) -> int:
-        """Allocate now, on this rank, the host buffer of asynchronous saves (and start their
-        writer thread), so that the first `save_checkpoint(..., async_save=True)` blocks no
-        longer than the later ones; returns the buffer's bytes.
-
-        The buffer holds a copy of everything this rank's shard file holds once the
-        optimizer has stepped: parameter shards, fp32 masters, optimizer state (foreseen
-        before the first step), rank 0's buffers (about 14 bytes per parameter / world
-        size in bf16 with AdamW, 12 in fp32; what `zero3 estimate --async-checkpoint`
-        counts). It is pinned when a shard or master is on a GPU, else pageable and written
-        once with zeros here (so the first save takes no page faults). It is kept until
-        `destroy()`; a save inside an accumulation window grows it by the gradient shards.
-        With checkpoint.async_save in the config, initialize has done this already.
-        Not a collective; raises CheckpointError when the host cannot hold the buffer."""
+        """Allocate now the host buffer of asynchronous saves (initialize does with checkpoint.async_save),
+        so the first one blocks no longer than later ones; its bytes (see AsyncCheckpointer.prepare)."""
         self._check_alive()
-        self._settle()
         return self.checkpointer.prepare(self._training_state())
 
     def wait_for_checkpoint(self) -> None:
@@ -464,6 +466,7 @@ class Engine(EngineSurface, nn.Module):
         loaded = checkpoint_io.load(
             self._training_state(), load_dir, tag, load_module_strict, load_optimizer_states,
             load_lr_scheduler_states, load_module_only, self.config.gradient_accumulation_steps,
+            load_rng_state=self.config.checkpoint_load_rng_state,
         )
         self.reducer.usage.note_restored()  # gradients saved inside a window were used somewhere
         return loaded
@@ -479,7 +482,8 @@ class Engine(EngineSurface, nn.Module):
         """What a checkpoint saves and restores, as the engine holds it now (the scheduler
         is read at each call: it may be replaced after initialize)."""
         return checkpoint_io.TrainingState(self.sharded_model, self.optimizer_access, self.lr_scheduler,
-                                           self.counters, self.loss_scaler, self.master_device, self.zero_grad)
+                                           self.counters, self.loss_scaler, self.placement, self.zero_grad,
+                                           self.config.raw)
 
     # -------------------------------------------------------------- lifetime
     def destroy(self) -> None:
@@ -512,6 +516,13 @@ class Engine(EngineSurface, nn.Module):
     def _check_alive(self) -> None:
         if self._destroyed:
             raise EngineError("this engine was destroyed; build a new one with zero3.initialize")
+
+    def _check_trainable(self) -> None:
+        """Alive, and with no state offloaded by offload_states()."""
+        self._check_alive()
+        if self.state_offload.offloaded:
+            raise EngineUsageError(f"the states {sorted(self.state_offload.offloaded)} are offloaded "
+                                   "(engine.offload_states()); call engine.reload_states() before training on")
 
 
 def _hook_output_tensors(output: Any, on_first: Callable[[], None]) -> None:

@@ -37,6 +37,8 @@ from torch import nn
 
 from zero3.config import Zero3Config, from_deepspeed
 from zero3.params.units import persistent_indices
+from zero3.placement.plan import Plan, PlanInputs, UnitSize, make_plan
+from zero3.placement.sizes import state_bytes_per_element, working_set_bytes
 
 CATEGORIES = ("param_shards", "resident_params", "grad_shards", "masters", "optimizer_state")
 
@@ -112,18 +114,32 @@ def _count_as_tensors(count: int, trainable: int | None) -> list[_Tensor]:
 
 def _unit_sizes(model: nn.Module) -> list[int]:
     """Elements per default fetch unit: each ModuleList element whole, other modules' own."""
-    sizes: list[int] = []
+    return [sum(numel for numel, _ in params) for _, params in _units(model)] or [0]
+
+
+def _units(model: nn.Module) -> list[tuple[str, list[tuple[int, bool]]]]:
+    """(name, [(numel, trainable) per parameter]) of each unit with parameters: each
+    ModuleList element whole (as when the decoder layers are leaf units), other modules'
+    own parameters. A tied parameter counts once, in the first unit holding it."""
+    units: list[tuple[str, list[tuple[int, bool]]]] = []
     inside: set[int] = set()
-    for module in model.modules():
+    seen: set[int] = set()
+
+    def take(params) -> list[tuple[int, bool]]:
+        fresh = [p for p in params if id(p) not in seen]
+        seen.update(id(p) for p in fresh)
+        return [(p.numel(), p.requires_grad) for p in fresh]
+
+    for name, module in model.named_modules():
         if id(module) in inside:
             continue
         if isinstance(module, nn.ModuleList):
-            for block in module:
-                sizes.append(sum(p.numel() for p in block.parameters()))
+            for index, block in enumerate(module):
+                units.append((f"{name}.{index}", take(block.parameters())))
                 inside.update(id(m) for m in block.modules())
             continue
-        sizes.append(sum(p.numel() for p in module.parameters(recurse=False)))
-    return [s for s in sizes if s] or [0]
+        units.append((name or "(root)", take(module.parameters(recurse=False))))
+    return [(name, params) for name, params in units if params]
 
 
 def _optimizer_states(parsed: Zero3Config) -> tuple[int, int]:
@@ -177,6 +193,53 @@ def _estimate(tensors: list[_Tensor], units: list[int], world: int, parsed: Zero
         device=device, host=host, gathered_unit=max(units) * width if units else None,
         checkpoint_snapshot=param_shards + masters + optim if parsed.checkpoint_async_save else 0,
     )
+
+
+@dataclass
+class PlacementEstimate:
+    """The plan the engine would make (zero3/placement/plan.py) and the device peak it
+    predicts: the plan's device bytes (the engine's own tensors, working set included) plus
+    the activations given."""
+
+    plan: Plan
+    activation_bytes: int
+
+    @property
+    def predicted_peak(self) -> int:
+        return self.plan.device_bytes + self.activation_bytes
+
+
+def estimate_placement(model: nn.Module | int, world_size: int, config: dict | str | Path | Zero3Config,
+                       budget: int | None, activation_bytes: int = 0, trainable: int | None = None
+                       ) -> PlacementEstimate:
+    """Which units' parameter shards and optimizer sides `config` with `budget` bytes of GPU
+    memory (None: the config's offload alone) puts on the GPU, for one rank of `world_size`;
+    units as when each ModuleList element is a leaf unit (a bare count is one unit).
+    Raises PlacementError as the engine would."""
+    parsed = config if isinstance(config, Zero3Config) else from_deepspeed(config, world_size=world_size)
+    if isinstance(model, int):
+        units = [("model", [(t.numel, t.trainable) for t in _count_as_tensors(model, trainable)])]
+    else:
+        units = _units(model)
+    width = torch.empty(0, dtype=parsed.precision.dtype).element_size()
+    reduce_width = torch.empty(0, dtype=parsed.precision.reduce_dtype).element_size()
+    per_state = state_bytes_per_element(width, _optimizer_states(parsed)[0])
+    numels = [n for _, params in units for n, _ in params]
+    chosen = persistent_indices(numels, parsed.zero.param_persistence_threshold,
+                                parsed.zero.model_persistence_threshold)
+    sizes = tuple(UnitSize(name, sum(math.ceil(n / world_size) for n, _ in params) * width,
+                           sum(math.ceil(n / world_size) for n, t in params if t) * per_state,
+                           sum(n for n, _ in params) * width) for name, params in units)
+    working = working_set_bytes(
+        [sum(n for n, _ in params) for _, params in units], sum(n for i, n in enumerate(numels) if i not in chosen),
+        parsed.zero.max_live_parameters, width,
+        sum(math.ceil(n / world_size) * world_size for _, params in units for n, t in params if t),
+        parsed.zero.reduce_bucket_size, reduce_width)
+    zero = parsed.zero
+    plan = make_plan(PlanInputs(sizes, zero.offload_param.enabled, zero.offload_optimizer.enabled,
+                                zero.offload_optimizer.ratio, budget, sum(numels[i] for i in chosen) * width,
+                                working, "given" if budget is not None else "none"))
+    return PlacementEstimate(plan, activation_bytes)
 
 
 def model_from_hf_config(path: str | Path) -> nn.Module:

@@ -495,12 +495,20 @@ def test_load_optimizer_states_false_and_scheduler_false_and_module_only(tmp_pat
     assert after["counters"] == before["counters"] == (0, 0, 0, 0)
     assert after["sched"] == before["sched"] and same(after["optim"], before["optim"])
     assert same(after["rng"], before["rng"])
-    # and the full load restores everything (the scheduler class must match)
+    # and the full load restores everything (the scheduler class must match) but the RNG,
+    # which stays as it was, as under DeepSpeed
     engine = fresh()
+    before = snapshot(engine)
     engine.load_checkpoint(tmp_path)
     got = snapshot(engine)
-    for key in ("shards", "masters", "optim", "groups", "buffers", "counters", "sched", "rng"):
+    for key in ("shards", "masters", "optim", "groups", "buffers", "counters", "sched"):
         assert same(got[key], saved_state[key]), key
+    assert same(got["rng"], before["rng"]) and not same(got["rng"], saved_state["rng"])
+    # with the config's checkpoint.load_rng_state, the RNG comes from the checkpoint too
+    torch.manual_seed(5)
+    engine = local_engine(Small(), threshold=0, checkpoint={"load_rng_state": True})
+    engine.load_checkpoint(tmp_path)
+    assert same(snapshot(engine)["rng"], saved_state["rng"])
 
 
 def test_a_different_scheduler_is_refused_unless_its_state_is_skipped(tmp_path):

@@ -34,7 +34,7 @@ def engine_on_gpu(seed: int, dropout: float = 0.2, **top):
     model = make_model(seed=seed, dropout=dropout)
     optimizer = torch.optim.AdamW(two_param_groups(model))
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.8)
-    cfg = config(MICRO, GA, threshold=30)
+    cfg = {**config(MICRO, GA, threshold=30), "checkpoint": {"load_rng_state": True}}  # dropout: RNG too
     cfg.update(top)
     engine, _, _, _ = zero3.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=cfg,
                                        dist_init_required=False)

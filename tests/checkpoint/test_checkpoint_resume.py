@@ -34,8 +34,8 @@ def exact_resume(rank: int, world: int, folder: str, steps: int = 3) -> dict:
         model = make_model(seed=seed, dropout=0.2)
         optimizer = torch.optim.AdamW(two_param_groups(model))
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.8)
-        engine, _, _, _ = zero3.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
-                                           config=config(MICRO, GA, threshold=30))
+        cfg = {**config(MICRO, GA, threshold=30), "checkpoint": {"load_rng_state": True}}  # dropout: RNG too
+        engine, _, _, _ = zero3.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=cfg)
         return engine
 
     def train(engine, first: int, count: int, losses: list) -> None:

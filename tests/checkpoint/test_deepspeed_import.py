@@ -39,12 +39,14 @@ def _expected(name: str) -> dict:
     return torch.load(FIXTURES / name / "expected.pt", weights_only=True)
 
 
-def _engine(fixture: M.Fixture, world: int):
+def _engine(fixture: M.Fixture, world: int, offload_optimizer: bool = False):
     """The fixture's model under zero3 with its DeepSpeed config; frozen weights differ from
     the checkpoint's unless the save left them out (then the model's own are the truth)."""
     import zero3
 
     cfg = M.config(fixture)
+    if offload_optimizer:
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
     cfg["zero_optimization"].pop("sub_group_size", None)
     if SUB_GROUP_SIZE[world] is not None:
         cfg["zero_optimization"]["sub_group_size"] = SUB_GROUP_SIZE[world]
@@ -134,13 +136,16 @@ def _next_step(engine, fixture: M.Fixture, expected: dict, rank: int, world: int
     return result
 
 
-def load_and_check(rank: int, world: int, name: str, folder: str) -> dict:
+def load_and_check(rank: int, world: int, name: str, folder: str, offload_optimizer: bool = False) -> dict:
     """Load one checkpoint folder (DeepSpeed's, or the zero3 import of it) into a fresh engine
     and compare it with what DeepSpeed recorded; then train one more step."""
     fixture, expected = M.FIXTURES[name], _expected(name)
-    engine = _engine(fixture, world)
+    engine = _engine(fixture, world, offload_optimizer)
     path, client_state = engine.load_checkpoint(folder)
     problems = [] if path else [f"nothing loaded from {folder}"]
+    steps = [state["step"] for state in engine.optimizer.optimizer.state.values()]
+    if not steps or not all(isinstance(step, torch.Tensor) and step.dim() == 0 for step in steps):
+        problems.append(f"optimizer steps after the load are {steps}, not torch's 0-dim tensors")
     problems += _state_problems(engine, expected)
     problems += _counter_problems(engine, fixture, expected, client_state)
     result = {"problems": problems, **_next_step(engine, fixture, expected, rank, world)}
@@ -162,11 +167,14 @@ def refused_on_every_rank(rank: int, world: int, folder: str) -> str:
 
 
 def world_worker(rank: int, world: int, jobs: list[tuple[str, str, str]]) -> dict:
-    """Every job of one launch: ("load", fixture, folder) or ("refuse", fixture, folder)."""
+    """Every job of one launch: ("load", fixture, folder), ("load_offloaded", fixture, folder)
+    (the engine with offload_optimizer) or ("refuse", fixture, folder)."""
     out = {}
     for kind, name, folder in jobs:
-        out[(kind, name, folder)] = (load_and_check(rank, world, name, folder) if kind == "load"
-                                     else refused_on_every_rank(rank, world, folder))
+        if kind == "refuse":
+            out[(kind, name, folder)] = refused_on_every_rank(rank, world, folder)
+        else:
+            out[(kind, name, folder)] = load_and_check(rank, world, name, folder, kind == "load_offloaded")
     return out
 
 
@@ -191,6 +199,11 @@ def test_load_every_fixture(world: int, tmp_path: Path):
         shutil.copytree(FIXTURES / "seed_fp32_w2" / "ckpt", broken)
         (broken / "global_step2" / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
         jobs.append(("refuse", "seed_fp32_w2", str(broken)))
+        # DeepSpeedCPUAdam's Python-int steps, loaded directly and through the CLI import
+        cpu_adam = _as_saved_by_cpu_adam("seed_fp32_w2", tmp_path)
+        _import(cpu_adam, tmp_path / "cpu_adam_imported")
+        jobs += [("load_offloaded", "seed_fp32_w2", str(cpu_adam)),
+                 ("load_offloaded", "seed_fp32_w2", str(tmp_path / "cpu_adam_imported"))]
     results = run_ranks(world_worker, world, jobs, timeout=900, env=ENV)
     for job in jobs:
         per_rank = [r[job] for r in results]
@@ -220,6 +233,31 @@ def _copy(name: str, tmp_path: Path) -> Path:
     target = tmp_path / name
     shutil.copytree(FIXTURES / name / "ckpt", target)
     return target
+
+
+def _as_saved_by_cpu_adam(name: str, tmp_path: Path) -> Path:
+    """A copy of fixture `name` as DeepSpeed writes it with `offload_optimizer` (its optimizer
+    then is DeepSpeedCPUAdam): each sub-group's `step` a Python int, the param groups with
+    DeepSpeedCPUAdam's keys, offload_optimizer in the saved config. The values are the
+    fixture's, so DeepSpeed's recorded state and next step still apply."""
+    from zero3.checkpoint.deepspeed.pickling import save_with_deepspeed_names
+    from zero3.checkpoint.deepspeed.unpickle import load_deepspeed_file
+
+    root = _copy(name, tmp_path / "cpu_adam")
+    tag = root / (root / "latest").read_text().strip()
+    for path in tag.glob("*optim_states.pt"):
+        state = load_deepspeed_file(path)
+        inner = state["optimizer_state_dict"]["optimizer_state_dict"]
+        for entry in inner["state"].values():
+            entry["step"] = int(entry["step"].item())
+        cpu_adam_keys = ("params", "lr", "betas", "eps", "weight_decay", "bias_correction", "amsgrad")
+        inner["param_groups"] = [{key: group.get(key, True) for key in cpu_adam_keys} for group in inner["param_groups"]]
+        save_with_deepspeed_names(state, path.with_name(path.name + ".new"))
+        os.replace(path.with_name(path.name + ".new"), path)
+    for path in tag.glob("*model_states.pt"):
+        _resave(path, lambda s: s["ds_config"]["zero_optimization"].update(
+            offload_optimizer={"device": "cpu", "pin_memory": False}))
+    return root
 
 
 def _refusal(root: Path) -> str:

@@ -199,9 +199,9 @@ def mid_window_resume(rank: int, world: int, folder: str, ga: int, steps: int, s
     batches = make_batches(steps * ga * world, MICRO, seed=4)
 
     def build():
-        model = make_model(dropout=0.1)
+        model = make_model(dropout=0.1)  # dropout: the resumed run needs the saved RNG too
         return zero3.initialize(model=model, optimizer=torch.optim.AdamW(two_param_groups(model)),
-                                config=config(MICRO, ga))[0]
+                                config={**config(MICRO, ga), "checkpoint": {"load_rng_state": True}})[0]
 
     engine = build()
     losses = []

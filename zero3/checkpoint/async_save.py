@@ -129,9 +129,18 @@ class AsyncCheckpointer:
 
     def prepare(self, state: TrainingState) -> int:
         """Allocate now the snapshot buffer a save of `state` needs once the optimizer has
-        stepped (checkpoint/snapshot.py `reserve`: pageable memory written once, or pinned),
-        and start the writer thread; the buffer's bytes. Not a collective. Raises
-        CheckpointError when the host cannot hold the buffer (then none is held)."""
+        stepped, and start the writer thread, so that the first save blocks no longer than
+        the later ones; the buffer's bytes (engine.prepare_async_checkpoint).
+
+        The buffer holds a copy of this rank's shard file: parameter shards, fp32 masters,
+        optimizer state (foreseen before the first step: optim/state_probe.py), rank 0's
+        buffers; about 14 bytes per parameter / world size in bf16 with AdamW, 12 in fp32,
+        what `zero3 estimate --async-checkpoint` counts. It is pinned when a shard or master
+        is on a GPU, else pageable with every page written once here (checkpoint/snapshot.py
+        `reserve`), and kept until `close()`; a save inside an accumulation window grows it
+        by the gradient shards. The first RNG read and pickling of the process are done here
+        too. Not a collective; a buffer already big enough is kept. Raises CheckpointError
+        when the host cannot hold the buffer (then none is held)."""
         self.wait()
         specs, sources = foreseen_rank_tensors(state)
         held = self.snapshot.reserve(specs, sources, self.rank)

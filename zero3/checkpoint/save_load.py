@@ -76,7 +76,11 @@ parts with weights_only=True. Every rank raises the same error.
 Resharding: rank r of W owns elements [r*ceil(n/W), ...) of each flattened parameter
 (`owned_range`, params/shard_layout.py); the loader computes its own range for its
 world size and reads the overlapping slices of every source file, so a checkpoint saved
-on N ranks loads on M ranks. RNG states are restored for ranks below N only.
+on N ranks loads on M ranks.
+
+RNG: every save records each rank's Python, NumPy, torch (and CUDA) RNG states; a load
+leaves the RNG as it is, as DeepSpeed does, unless the config's `checkpoint.load_rng_state`
+asks for them (then ranks below N restore theirs; a rank at or past N keeps its own).
 
 Debugging aid (`ZERO3_CHECKPOINT_PAUSE`): set it to a phase of `PAUSE_PHASES`, optionally
 `<phase>@<rank>`, and a save freezes at that point (logging it, and writing its pid to
@@ -135,6 +139,7 @@ from zero3.checkpoint.paths import checked_tag
 from zero3.checkpoint.tag_contents import refuse_unknown_entries, replacement_warning, tag_contents
 from zero3.engine_parts.counters import StepCounters
 from zero3.engine_parts.views import OptimizerAccess, ShardedModel
+from zero3.placement.devices import Placement
 from zero3.optim.loss_scaler import LossScaler
 from zero3.params.late_params import LATE_KEY, late_layout, restore_late, unmanaged_parameters
 from zero3.params.partition import ParamState, ShardedParam
@@ -162,15 +167,17 @@ class TrainingState:
     into them in place (shards, fp32 masters, optimizer state and param groups, the
     scheduler, counters and loss scaler) and calls `zero_grad` to drop the gradients of
     the window it replaces. Saved gradient shards are restored as new fp32 tensors on
-    `master_device`, owned by their ShardedParams from then on."""
+    the device `placement` gives each one's optimizer side, owned by their ShardedParams
+    from then on."""
 
     model: ShardedModel
     optimizer: OptimizerAccess
     lr_scheduler: Any
     counters: StepCounters
     loss_scaler: LossScaler | None
-    master_device: torch.device
+    placement: Placement
     zero_grad: Callable[[], None]
+    ds_config: dict | None = None  # the config as given (JSON values), recorded in common.pt
 
 
 # ------------------------------------------------------------------ file I/O
@@ -319,9 +326,11 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 
 def _common_state(optimizer: OptimizerAccess, scheduler: Any, counters: StepCounters,
-                  loss_scaler: LossScaler | None, client_state: dict) -> dict[str, Any]:
+                  loss_scaler: LossScaler | None, client_state: dict,
+                  ds_config: dict | None = None) -> dict[str, Any]:
     """common.pt: counters, loss scaler, optimizer hyper-parameters and non-tensor state,
-    the scheduler's state and `client_state` (plain values only)."""
+    the scheduler's state, `client_state` (plain values only) and the engine's config as
+    given (`ds_config`: export-deepspeed reads its sub_group_size and optimizer from it)."""
     groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups()]
     extras: dict[str, dict[str, Any]] = {}
     state = optimizer.state()
@@ -340,7 +349,13 @@ def _common_state(optimizer: OptimizerAccess, scheduler: Any, counters: StepCoun
         "lr_scheduler": scheduler.state_dict() if has_state else None,
         "lr_scheduler_type": type(scheduler).__qualname__ if has_state else None,
         "client_state": client_state,
+        "ds_config": _plain_config(ds_config),
     }
+
+
+def _plain_config(config: dict | None) -> dict | None:
+    """The config as JSON values (a value JSON cannot hold, given in a dict config, as its str)."""
+    return None if config is None else json.loads(json.dumps(config, default=str))
 
 
 def _param_group_members(optimizer: OptimizerAccess) -> list[list[str]]:
@@ -437,7 +452,7 @@ def rank_files(state: TrainingState, client_state: dict, exclude_frozen: bool) -
     common_data = None
     if rank == 0:
         common_data = _pickled(_common_state(state.optimizer, state.lr_scheduler, state.counters,
-                                             state.loss_scaler, client_state))
+                                             state.loss_scaler, client_state, state.ds_config))
         try:
             torch.load(io.BytesIO(common_data), weights_only=True)
         except Exception as exc:  # noqa: BLE001 - named and re-raised
@@ -715,14 +730,17 @@ class _Plan:
     rng: dict[str, Any] | None
     restore_optimizer: bool
     open_reader: Callable[[], Any]
+    restore_rng: bool = False  # checkpoint.load_rng_state (DeepSpeed's folders hold no RNG state)
 
 
 def _plan(state: TrainingState, folder: Path, manifest: dict[str, Any], strict: bool,
-          load_optimizer_states: bool, load_lr_scheduler_states: bool, load_module_only: bool) -> _Plan:
+          load_optimizer_states: bool, load_lr_scheduler_states: bool, load_module_only: bool,
+          load_rng_state: bool) -> _Plan:
     common = unpickle_file(folder / COMMON)
     rank, world = state.model.comm.rank, manifest["world_size"]
-    rng = unpickle_file(folder / state_file(rank, world)) if (rank < world and not load_module_only) else None
-    plan = _Plan(folder, manifest, common, rng, False, lambda: ShardReader(folder, manifest))
+    restore_rng = load_rng_state and not load_module_only
+    rng = unpickle_file(folder / state_file(rank, world)) if (rank < world and restore_rng) else None
+    plan = _Plan(folder, manifest, common, rng, False, lambda: ShardReader(folder, manifest), restore_rng)
     return _checked_plan(state, plan, strict, load_optimizer_states, load_lr_scheduler_states, load_module_only)
 
 
@@ -845,7 +863,7 @@ def _optimizer_state_of(world_size: int, sp: ShardedParam, reader: ShardReader, 
 
 def _apply(state: TrainingState, plan: _Plan, load_lr_scheduler_states: bool, load_module_only: bool) -> None:
     """Write what `plan` holds into the engine's state (every check has passed by now)."""
-    grads = _apply_tensors(state.model, state.optimizer, state.master_device, plan, load_module_only)
+    grads = _apply_tensors(state.model, state.optimizer, state.placement, plan, load_module_only)
     common = plan.common
     if plan.restore_optimizer:
         for group, saved in zip(state.optimizer.param_groups(), common["param_groups"]):
@@ -857,10 +875,10 @@ def _apply(state: TrainingState, plan: _Plan, load_lr_scheduler_states: bool, lo
         sp.grad_shard = grad
 
 
-def _apply_tensors(model: ShardedModel, optimizer: OptimizerAccess, master_device: torch.device, plan: _Plan,
+def _apply_tensors(model: ShardedModel, optimizer: OptimizerAccess, placement: Placement, plan: _Plan,
                    load_module_only: bool) -> list[tuple[ShardedParam, torch.Tensor]]:
     """Parameters, masters, optimizer state, buffers and late parameters from the saved
-    tensors; returns the saved gradient shards (new tensors on `master_device`) to set
+    tensors; returns the saved gradient shards (new tensors where `placement` puts them) to set
     once the gradients of the current window are dropped."""
     masters = optimizer.masters()
     groups = {id(p): g for g in optimizer.param_groups() for p in g["params"]}
@@ -870,7 +888,7 @@ def _apply_tensors(model: ShardedModel, optimizer: OptimizerAccess, master_devic
             if sp.name in plan.manifest["params"]:
                 _apply_param(optimizer, model.comm.world_size, sp, reader, plan, masters, groups)
                 if plan.restore_optimizer and not load_module_only and plan.manifest["params"][sp.name].get("grad"):
-                    grads.append((sp, _saved_grad(master_device, sp, reader, plan)))
+                    grads.append((sp, _saved_grad(placement.state_device(sp), sp, reader, plan)))
         saved_buffers = plan.manifest.get("buffers", {})
         with torch.no_grad():
             for name, buffer in persistent_buffers(model.module).items():
@@ -882,7 +900,7 @@ def _apply_tensors(model: ShardedModel, optimizer: OptimizerAccess, master_devic
 
 
 def _restore_progress(state: TrainingState, plan: _Plan, load_lr_scheduler_states: bool) -> None:
-    """The scheduler (if asked), counters, loss scale and this rank's RNG."""
+    """The scheduler (if asked), counters, loss scale and, with `plan.restore_rng`, this rank's RNG."""
     common = plan.common
     if load_lr_scheduler_states and state.lr_scheduler is not None and common["lr_scheduler"] is not None:
         state.lr_scheduler.load_state_dict(common["lr_scheduler"])
@@ -890,6 +908,8 @@ def _restore_progress(state: TrainingState, plan: _Plan, load_lr_scheduler_state
     if common.get("loss_scaler") is not None and state.loss_scaler is not None:
         state.loss_scaler.load_state_dict(common["loss_scaler"])
     rank = state.model.comm.rank
+    if not plan.restore_rng:
+        return
     if plan.rng is not None and plan.rng.get("rng") is not None:  # None: imported, saved without RNG
         _set_rng_state(plan.rng["rng"])
     elif rank >= plan.manifest["world_size"]:
@@ -907,12 +927,14 @@ def _saved_grad(master_device: torch.device, sp: ShardedParam, reader: ShardRead
 
 
 def load(state: TrainingState, load_dir, tag, strict: bool, load_optimizer_states: bool,
-         load_lr_scheduler_states: bool, load_module_only: bool, gradient_accumulation_steps: int):
+         load_lr_scheduler_states: bool, load_module_only: bool, gradient_accumulation_steps: int,
+         load_rng_state: bool = False):
     """Verify, then load a checkpoint into `state`; (path, client_state), or (None, None) when absent.
 
     A collective. Every check runs before any state is written; a failed check raises
     the same CheckpointError on every rank and leaves the engine as it was.
-    `gradient_accumulation_steps` places a DeepSpeed checkpoint's micro-step count.
+    `gradient_accumulation_steps` places a DeepSpeed checkpoint's micro-step count;
+    `load_rng_state` (the config's checkpoint.load_rng_state) restores the saved RNG states.
     """
     comm = state.model.comm
     root = Path(load_dir)
@@ -938,7 +960,8 @@ def load(state: TrainingState, load_dir, tag, strict: bool, load_optimizer_state
             f"checkpoint {folder} failed verification, nothing was loaded:\n  " + "\n  ".join(sorted(set(problems)))
         )
     plan = on_every_rank(comm, lambda: _plan(state, folder, manifest, strict, load_optimizer_states,
-                                             load_lr_scheduler_states, load_module_only), CheckpointError)
+                                             load_lr_scheduler_states, load_module_only, load_rng_state),
+                         CheckpointError)
     _apply(state, plan, load_lr_scheduler_states, load_module_only)
     comm.barrier()
     return str(folder), plan.common["client_state"]

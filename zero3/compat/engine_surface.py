@@ -242,6 +242,19 @@ class EngineSurface:
         """Gathers the backward safety net had to make (zero on ordinary models)."""
         return self.fetcher.late_gathers
 
+    def offload_states(self, include: Any = None, device: Any = "cpu", pin_memory: bool = True,
+                       non_blocking: bool = False) -> None:
+        """DeepSpeed's: the state kinds in `include` (OffloadStateTypeEnum values; all when
+        None) moved to the host between steps; forward, backward and step are refused until
+        `reload_states()` (engine_parts/state_offload.py)."""
+        self._check_alive()
+        self.state_offload.offload(include, device, pin_memory, non_blocking)
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        """DeepSpeed's: every offloaded state back where it was."""
+        self._check_alive()
+        self.state_offload.reload(non_blocking)
+
     def sharded_bytes(self) -> dict[str, int]:
         """Bytes this rank holds for parameters, gradients and optimizer state."""
         return held_bytes(self.sharded_model, self.optimizer_access, self.reducer.sink)

@@ -4,6 +4,8 @@ gives them to the parameters it partitions, the engine to those it manages)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from torch import nn
 
 from zero3.params.status import ZeroParameter, ZeroParamStatus, mark_zero_parameter
@@ -11,6 +13,7 @@ from zero3.params.status import ZeroParameter, ZeroParamStatus, mark_zero_parame
 __all__ = ["ZeroParamStatus", "ZeroParameter", "mark_managed"]
 
 
-def mark_managed(param: nn.Parameter) -> None:
-    """Give a parameter the engine manages the read-only DeepSpeed status properties."""
-    mark_zero_parameter(param)
+def mark_managed(params: Iterable[nn.Parameter]) -> None:
+    """Give the parameters the engine manages the read-only DeepSpeed status properties."""
+    for param in params:
+        mark_zero_parameter(param)

@@ -12,6 +12,6 @@
 - `engine_parts/rank_agreement.py`: ranks whose config, optimizer or model differ are stopped at
   initialize.
 
-May import: the core (`zero3.platform`, `params`, `grads`, `optim`) and `zero3.config`.
+May import: the core (`zero3.platform`, `params`, `grads`, `optim`), `zero3.config` and `zero3.placement`.
 Must not import checkpoint, compat, hf, the engine or the command line.
 """

@@ -29,7 +29,7 @@ from zero3.optim.optimizers import build_optimizer, build_scheduler
 from zero3.params.fetch import Fetcher
 from zero3.params.fetch_unit import FetchUnit
 from zero3.params.init import claim_init_shard, drop_forward_guards, init_shard_of
-from zero3.params.partition import ParamState, ShardedParam
+from zero3.params.partition import ShardedParam
 from zero3.params.released import (
     guard_load_state_dict,
     guard_state_dict,
@@ -39,7 +39,8 @@ from zero3.params.released import (
 )
 from zero3.params.schedule import PrefetchPolicy
 from zero3.params.units import choose_persistent
-from zero3.params.wire import gather_rows, group_by_dtype
+from zero3.params.wire import group_by_dtype
+from zero3.placement.devices import Placement
 from zero3.platform.collectives import Communicator
 
 logger = logging.getLogger("zero3")
@@ -127,33 +128,21 @@ def broadcast_from_rank0(comm: Communicator, tensors: list[torch.Tensor]) -> Non
 def shard_parameters(named_params: list[tuple[str, nn.Parameter]], init_shards: dict[nn.Parameter, torch.Tensor],
                      config: Zero3Config, comm: Communicator, device: torch.device
                      ) -> dict[nn.Parameter, ShardedParam]:
-    """ShardedParams for every parameter; non-persistent ones released. Collective (a
-    persistent parameter that arrived partitioned is gathered). Consumes `init_shards`.
-
-    At world size 1 with the shards on the compute device there is nothing to shard:
-    every parameter is aliased to its shard (partition.py) and stays resident, so no
-    gather, copy or hook work is ever done for it."""
+    """ShardedParams for every parameter, each shard where the config puts it (the host with
+    offload_param); not yet released: engine_parts/placement.py settles each on its tier and
+    releases, gathers or aliases it. Consumes `init_shards`."""
     zero = config.zero
     persistent = choose_persistent(named_params, zero.param_persistence_threshold, zero.model_persistence_threshold)
     offload = zero.offload_param.device == "cpu"
     shard_device = torch.device("cpu") if offload else device
     pin = offload and zero.offload_param.pin_memory
-    alias = not comm.active and not offload  # world size 1 without the real-collectives switch
     table: dict[nn.Parameter, ShardedParam] = {}
     for name, p in named_params:
         init_shard = init_shards.pop(p, None)
         if init_shard is None:
             give_exclusive_storage(p)
-        sp = ShardedParam(p, name, comm.rank, comm.world_size, alias or id(p) in persistent, shard_device, pin,
-                          shard=init_shard)
-        if sp.state is ParamState.FULL and not sp.persistent:
-            sp.release()
-        elif sp.state is ParamState.SHARDED and sp.persistent:
-            sp.begin_gather()  # partitioned by zero3.Init, resident by the config
-            sp.finish_gather(gather_rows(comm, sp.shard, device))
-        if alias:
-            sp.alias_shard()
-        table[p] = sp
+        table[p] = ShardedParam(p, name, comm.rank, comm.world_size, id(p) in persistent, shard_device, pin,
+                                shard=init_shard)
     return table
 
 
@@ -233,18 +222,18 @@ def host_step_overlap(config: Zero3Config, optimizer: torch.optim.Optimizer | No
     """The worker that runs the CPU optimizer update behind the next forward
     (optim/host_step.py), or None when the update runs in step().
 
-    It needs the masters and the parameter shards on the CPU, and a torch optimizer
-    (stepped by shadow optimizers of its class, optim/masters.py). "auto" turns it on when the
+    It needs offload_optimizer on the CPU (the host-tier sub-groups of the placement run
+    there; device-tier ones step in step()), and a torch optimizer (stepped by shadow
+    optimizers of its class, optim/masters.py). "auto" turns it on when the
     compute device is a GPU (on a CPU it would compete with the forward for the cores)."""
     zero = config.zero
     setting = zero.offload_optimizer.overlap_step
     if optimizer is None or setting is False:
         return None
     problems = []
-    if not (zero.offload_optimizer.enabled and zero.offload_param.enabled):
-        problems.append("it needs offload_optimizer and offload_param both on the CPU (got "
-                        f"offload_optimizer.device={zero.offload_optimizer.device!r}, "
-                        f"offload_param.device={zero.offload_param.device!r})")
+    if not zero.offload_optimizer.enabled:
+        problems.append("it needs offload_optimizer on the CPU (got "
+                        f"offload_optimizer.device={zero.offload_optimizer.device!r})")
     if type(optimizer) not in ELEMENTWISE_OPTIMIZERS:
         problems.append(f"it needs one of torch's optimizers ({', '.join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)}), "
                         f"got {type(optimizer).__module__}.{type(optimizer).__name__}")
@@ -258,7 +247,7 @@ def host_step_overlap(config: Zero3Config, optimizer: torch.optim.Optimizer | No
 
 def build_sharded_optimizer(config: Zero3Config, client: torch.optim.Optimizer | None,
                             table: dict[nn.Parameter, ShardedParam], comm: Communicator,
-                            master_device: torch.device, fetcher: Fetcher, usage: GradUsage,
+                            placement: Placement, fetcher: Fetcher, usage: GradUsage,
                             background: BackgroundStep | None) -> ShardedOptimizer | None:
     """The client optimizer over fp32 master shards (None without one); `usage` tells it
     which parameters got no gradient in a window (grads/usage.py)."""
@@ -266,13 +255,14 @@ def build_sharded_optimizer(config: Zero3Config, client: torch.optim.Optimizer |
         return None
     zero = config.zero
     return ShardedOptimizer(
-        client, table, comm, master_device, config.gradient_clipping,
+        client, table, comm, placement, config.gradient_clipping,
         check_overflow=config.precision.check_grad_overflow,
         pin_memory=zero.offload_optimizer.device == "cpu" and zero.offload_optimizer.pin_memory,
         sub_group_numel=zero.sub_group_size,
         unit_order=fetcher.params_in_forward_order if background is not None else None,
         usage=usage,
         background=background,
+        leaf_modules={unit.module: unit.params for unit in fetcher.units if unit.leaf},
     )
 
 
@@ -319,7 +309,7 @@ def _is_scheduler_factory(value: Any) -> bool:
 
 # --------------------------------------------------- gradients and gathering
 def build_reducer(config: Zero3Config, table: dict[nn.Parameter, ShardedParam], units: list[FetchUnit],
-                  comm: Communicator, grad_device: torch.device,
+                  comm: Communicator, placement: Placement,
                   background: BackgroundStep | None) -> GradReducer:
     """The gradient reducer; leaf units' gradients deferred to a point every rank shares."""
     reducer = GradReducer(
@@ -327,7 +317,7 @@ def build_reducer(config: Zero3Config, table: dict[nn.Parameter, ShardedParam], 
         comm,
         bucket_numel=config.zero.reduce_bucket_size,
         reduce_dtype=config.precision.reduce_dtype,
-        grad_device=grad_device,
+        placement=placement,
         prescale=config.prescale_gradients,
         predivide_factor=config.gradient_predivide_factor,
         overlap=config.zero.overlap_comm,

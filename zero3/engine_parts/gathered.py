@@ -18,6 +18,10 @@ whose storage is released but that neither an engine nor zero3.Init manages (its
 engine was destroyed) is refused with `ReleasedParameterError`; other parameters pass
 through untouched.
 
+A tensor taken from a parameter inside the block (`p.detach().cpu()` on the CPU, `p.data`, a
+NumPy view) keeps its values after it, as under DeepSpeed (params/released.py); it holds
+the parameter's full-size memory as long as it lives.
+
 Memory: with `modifier_rank=None` a copy of the values of the parameters that stay
 gathered after the block (resident ones, or held by an enclosing context) is kept on their
 device for the duration of the context, to undo a write to them; it is freed on exit.
@@ -125,7 +129,7 @@ class GatheredParameters:
                 owner.fetcher.guard.flush()
                 if self.modifier_rank is not None:
                     _adopt_values_of(owner.model.comm, owner.optimizer, sps, self.modifier_rank)
-                    owner.fetcher.drop(sps)
+                    owner.fetcher.drop(sps, keep_aliases=True)
                 else:
                     self._refuse_changes(owner.model.comm, owner.fetcher, sps, raise_error=exc_type is None)
             self._exit_init_params(raise_error=exc_type is None)
@@ -154,7 +158,7 @@ class GatheredParameters:
             for sp in changed:  # undo (through .data: no autograd version bump)
                 if id(sp) in self._snapshots:
                     sp.param.data.copy_(self._snapshots[id(sp)])
-        fetcher.drop(sps)
+        fetcher.drop(sps, keep_aliases=True)
         if any(changed_by_rank) and raise_error:
             raise _in_place_error("parameters", changed_by_rank)
 

@@ -23,6 +23,7 @@ from zero3.engine_parts.views import OptimizerAccess, ShardedModel
 from zero3.params import ownership
 from zero3.params.fetch import Fetcher
 from zero3.params.partition import ShardedParam
+from zero3.placement.devices import Placement
 
 
 @dataclass(frozen=True, eq=False)
@@ -32,13 +33,13 @@ class ParamOwner:
     `fetcher` gathers and releases (holds taken through it are the caller's to drop);
     `flush_gradients` reduces every pending gradient into its shard, so `grad_shard`
     is complete; a gradient shard created from outside the step is fp32 on
-    `master_device`, where the reducer puts them."""
+    the device `placement` gives its optimizer side, where the reducer puts them."""
 
     model: ShardedModel
     optimizer: OptimizerAccess
     fetcher: Fetcher
     flush_gradients: Callable[[], None]
-    master_device: torch.device
+    placement: Placement
 
     def sharded(self, param: nn.Parameter) -> ShardedParam:
         """The engine's record of `param` (its shard and gather state); what

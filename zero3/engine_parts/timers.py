@@ -46,7 +46,8 @@ class ThroughputTimer:
     forward (`start`) to the step() that ends its micro-step (`stop`), counted from the
     `start_step`-th optimizer step on (the first ones warm up), and the running samples per
     second, logged every `steps_per_output` optimizer steps. Does nothing when disabled;
-    with `synchronized` the device is synchronized before each reading."""
+    with `synchronized` the device is synchronized before each reading. `epoch_count` is
+    the script's, advanced by `update_epoch_count()` and shown in the report line."""
 
     def __init__(self, enabled: bool, synchronized: bool, batch_size: int, steps_per_output: int | None,
                  report: "callable", start_step: int = 2) -> None:
@@ -59,10 +60,15 @@ class ThroughputTimer:
         self.initialized = False
         self.started = False
         self.start_time = 0.0
+        self.epoch_count = 0
         self.micro_step_count = 0
         self.global_step_count = 0
         self.total_elapsed_time = 0.0
         self.step_elapsed_time = 0.0
+
+    def update_epoch_count(self) -> None:
+        """A new epoch begins (as DeepSpeed's ThroughputTimer, the count is only reported)."""
+        self.epoch_count += 1
 
     def _now(self) -> float:
         if self.synchronized and torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -92,7 +98,8 @@ class ThroughputTimer:
         if not global_step:
             return
         if self.steps_per_output and self.global_step_count % self.steps_per_output == 0:
-            self.report(f"zero3: global_step={self.global_step_count} micro_step={self.micro_step_count} "
+            self.report(f"zero3: epoch={self.epoch_count} global_step={self.global_step_count} "
+                        f"micro_step={self.micro_step_count} "
                         f"RunningAvgSamplesPerSec={self.avg_samples_per_sec():.3f} "
                         f"CurrSamplesPerSec={self.batch_size / max(self.step_elapsed_time, 1e-9):.3f}")
         self.step_elapsed_time = 0.0

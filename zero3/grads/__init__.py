@@ -6,5 +6,5 @@
 - `usage.py`: which parameters no rank gave a gradient in a window, so the optimizer
   skips them as plain PyTorch skips a `.grad` of None.
 
-May import: `zero3.platform`, `zero3.params`. Must not import optim or anything above.
+May import: `zero3.platform`, `zero3.params`, `zero3.placement`. Must not import optim or anything above.
 """

@@ -32,6 +32,7 @@ from zero3.grads.sink import GradSink
 from zero3.grads.usage import GradUsage
 from zero3.params.partition import ShardedParam
 from zero3.params.wire import group_by_dtype
+from zero3.placement.devices import Placement
 from zero3.platform.collectives import Communicator
 
 
@@ -44,7 +45,7 @@ class GradReducer:
         comm: Communicator,
         bucket_numel: int,
         reduce_dtype: torch.dtype | None,
-        grad_device: torch.device,
+        placement: Placement,
         prescale: bool = False,
         predivide_factor: float = 1.0,
         overlap: bool = True,
@@ -59,8 +60,8 @@ class GradReducer:
         self.predivide_factor = float(predivide_factor)
         self.bucket_numel = max(int(bucket_numel), 1)
         self.reduce_dtype = reduce_dtype
-        self.grad_device = grad_device
-        self.sink = GradSink(params, grad_device, staging_bytes=4 * 2 * self.bucket_numel, fence=fence)
+        self.placement = placement
+        self.sink = GradSink(params, placement, staging_bytes=4 * 2 * self.bucket_numel, fence=fence)
         self.pending: list[tuple[ShardedParam, torch.Tensor]] = []
         self.deferred_ids: set[int] = set()
         self.deferred: dict[int, torch.Tensor] = {}
@@ -162,7 +163,7 @@ class GradReducer:
             return
         self.pending.append((sp, grad))
         self.pending_numel += sp.padded_numel
-        if self.pending_numel >= self.bucket_numel or self._to_host_unreduced(grad):
+        if self.pending_numel >= self.bucket_numel or self._to_host_unreduced(sp, grad):
             self._reduce_pending()
 
     def _hold_in_fp32(self, sp: ShardedParam, grad: torch.Tensor) -> None:
@@ -176,10 +177,12 @@ class GradReducer:
         held = self.deferred.get(id(sp))
         self.deferred[id(sp)] = grad if held is None else held + grad
 
-    def _to_host_unreduced(self, grad: torch.Tensor) -> bool:
-        """World size 1 with host gradient shards: there is no collective to batch, so each
-        gradient starts its copy to the host at once, behind the rest of backward."""
-        return not self.comm.active and self.grad_device.type == "cpu" and grad.device.type != "cpu"
+    def _to_host_unreduced(self, sp: ShardedParam, grad: torch.Tensor) -> bool:
+        """World size 1 with `sp`'s gradient shard on the host: there is no collective to
+        batch, so each such gradient starts its copy to the host at once, behind the rest
+        of backward."""
+        return (not self.comm.active and grad.device.type != "cpu"
+                and self.placement.state_device(sp).type == "cpu")
 
     def begin_coalescing(self) -> None:
         self.flush()

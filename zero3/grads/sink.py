@@ -5,13 +5,14 @@ The reducer hands over, for one parameter, this rank's slice of the averaged gra
 device. The first slice of an accumulation window (`grad_shard is None`) is written, not
 added, so no zero fill is ever paid for.
 
-Two placements:
-- same device as the slice (no optimizer offload, or a CPU-only run): the first slice is
+Each parameter's gradient shard lives where the placement (zero3/placement/devices.py)
+puts its optimizer side, one of two ways:
+- same device as the slice (the optimizer side on the device, or a CPU-only run): the first slice is
   cast into a fresh fp32 tensor, later ones are added in place. The tensor is dropped by
   the optimizer after its step, so between steps no gradient memory is held.
-- host, from a CUDA slice (`offload_optimizer` to the CPU): gradient shards are views of
-  one page-locked fp32 buffer owned here, allocated at first use and kept for the
-  engine's lifetime (re-faulting gigabytes of fresh host memory every step costs more
+- host, from a CUDA slice (the optimizer side offloaded): gradient shards are views of
+  one page-locked fp32 buffer owned here over the host-side parameters, allocated at first
+  use and kept until the placement changes (`placement_changed`) (re-faulting gigabytes of fresh host memory every step costs more
   than the step). The slice is cast to fp32 on the GPU, on the current stream, and
   copied by DMA on a stream of its own, so backward keeps computing while gradients go
   down. The first slice of a window goes straight into its shard; a later one into a
@@ -43,14 +44,16 @@ from collections.abc import Callable
 import torch
 
 from zero3.params.partition import ShardedParam
+from zero3.placement.devices import Placement
 
 
 class GradSink:
-    """Accumulates gradient slices into fp32 gradient shards on `grad_device`."""
+    """Accumulates gradient slices into fp32 gradient shards where `placement` puts each
+    parameter's optimizer side."""
 
-    def __init__(self, params: list[ShardedParam], grad_device: torch.device, staging_bytes: int,
+    def __init__(self, params: list[ShardedParam], placement: Placement, staging_bytes: int,
                  fence: Callable[[], None] | None = None) -> None:
-        self.grad_device = grad_device
+        self.placement = placement
         self.params = [sp for sp in params if sp.requires_grad]
         self.staging_bytes = max(int(staging_bytes), 1)
         self._host_views: dict[int, torch.Tensor] | None = None  # id(sp) -> view of the pinned buffer
@@ -77,10 +80,11 @@ class GradSink:
             self.fence()
         local = []
         for sp, piece in pairs:
-            if self.grad_device.type == "cpu" and piece.device.type == "cuda":
+            device = self.placement.state_device(sp)
+            if device.type == "cpu" and piece.device.type == "cuda":
                 self._deliver_to_host(sp, piece)
             else:
-                local.append((sp, piece.to(self.grad_device)))
+                local.append((sp, piece.to(device)))
         if len({id(sp) for sp, _ in local}) < len(local):  # one parameter's gradient twice: in order
             for pair in local:
                 self._write_local([pair])
@@ -88,14 +92,22 @@ class GradSink:
             self._write_local(local)
 
     def _write_local(self, pairs: list[tuple[ShardedParam, torch.Tensor]]) -> None:
-        """Slices on the gradient device, each parameter once: the first slices of the
-        window are cast into views of one fresh fp32 buffer (`_foreach_copy_`), later ones
-        added (`_foreach_add_`). The buffer lives as long as any of its views."""
+        """Slices on their gradient shard's device, each parameter once, in one call per
+        device (`_write_local_on`)."""
+        by_device: dict[torch.device, list[tuple[ShardedParam, torch.Tensor]]] = {}
+        for sp, piece in pairs:
+            by_device.setdefault(piece.device, []).append((sp, piece))
+        for device, on_device in by_device.items():
+            self._write_local_on(device, on_device)
+
+    def _write_local_on(self, device: torch.device, pairs: list[tuple[ShardedParam, torch.Tensor]]) -> None:
+        """The first slices of the window are cast into views of one fresh fp32 buffer on
+        `device` (`_foreach_copy_`), later ones added (`_foreach_add_`). The buffer lives as
+        long as any of its views."""
         first = [(sp, piece) for sp, piece in pairs if sp.grad_shard is None]
         later = [(sp, piece) for sp, piece in pairs if sp.grad_shard is not None]
         if first:
-            flat = torch.empty(sum(sp.shard_numel for sp, _ in first), dtype=torch.float32,
-                               device=self.grad_device)
+            flat = torch.empty(sum(sp.shard_numel for sp, _ in first), dtype=torch.float32, device=device)
             views, heads = [], []
             offset = 0
             for sp, piece in first:
@@ -119,6 +131,14 @@ class GradSink:
             self._copies_done = None
         while self._staged:
             self._add_oldest_staged()
+
+    def placement_changed(self) -> None:
+        """The placement moved some optimizer sides (between steps, no gradient held): the
+        pinned buffer is dropped and made again, over the host-side parameters, at its
+        next use."""
+        self.finish()
+        self._host_buffer = None
+        self._host_views = None
 
     def held_bytes(self) -> int:
         """Bytes of the persistent host buffer (0 when gradients are not kept on the host)."""
@@ -167,11 +187,12 @@ class GradSink:
     def _host_view(self, sp: ShardedParam) -> torch.Tensor:
         """`sp`'s slot in the pinned buffer (allocated at first use, zero padding)."""
         if self._host_views is None:
-            total = sum(p.shard_numel for p in self.params)
+            on_host = [p for p in self.params if self.placement.state_device(p).type == "cpu"]
+            total = sum(p.shard_numel for p in on_host)
             self._host_buffer = torch.zeros(total, dtype=torch.float32, pin_memory=True)
             self._host_views = {}
             offset = 0
-            for p in self.params:
+            for p in on_host:
                 self._host_views[id(p)] = self._host_buffer[offset:offset + p.shard_numel]
                 offset += p.shard_numel
         return self._host_views[id(sp)]

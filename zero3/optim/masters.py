@@ -1,8 +1,10 @@
 """fp32 master shards, the client optimizer remapped onto them, clipping.
 
 Memory ownership: `ShardedOptimizer` owns one fp32 master shard per trainable parameter
-(`masters[i]` pairs with `params[i]`). When the compute dtype is fp32 and the master lives
-on the same device as the shard, the master *is* the compute shard (no second copy).
+(`masters[i]` pairs with `params[i]`), on the device the placement gives that parameter's
+optimizer side (zero3/placement/devices.py); its optimizer state follows it. When the
+compute dtype is fp32 and the master lives on the same device as the shard, the master
+*is* the compute shard (no second copy).
 The client optimizer's param groups are rewritten in place to hold the masters, so its
 hyper-parameters, its identity (lr schedulers hold it) and its state_dict format are kept;
 its per-parameter state (exp_avg, ...) is therefore shard-sized.
@@ -16,8 +18,9 @@ Step, at the gradient-accumulation boundary:
   elements, whole parameters, per optimizer call); master -> compute shard per sub-group;
   resident parameters re-gathered; grads dropped.
 
-Overlapped host step (optim/host_step.py): with the masters and the parameter shards both on
-the CPU, the update may run on a worker thread behind the next forward. Sub-groups then
+Where each sub-group steps: a sub-group holds parameters of one tier only. Device-tier
+sub-groups step in `step()` (fused kernels on the GPU); host-tier ones too, or, with the
+overlapped host step (optim/host_step.py), on a worker thread behind the next forward. Sub-groups then
 also end at fetch-unit ends, in the order the units were entered in the last forward
 (resident parameters first, since the step's own re-gather reads them), and each one is
 stepped by a *shadow* optimizer: a torch optimizer of the client's class over that
@@ -29,20 +32,40 @@ parameters copied in when the step starts (so an lr scheduler stepping right aft
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from zero3.grads.usage import GradUsage
 from zero3.optim.host_step import BackgroundStep
+from zero3.optim.state_moves import move_master
+from zero3.optim.write_back import ShardWriteBack, record_current_stream
 from zero3.params.partition import ShardedParam
+from zero3.placement.devices import Placement
+from zero3.placement.plan import Tier
 from zero3.platform.collectives import Communicator
 
 MAX_CACHED_SHADOWS = 4096  # shadow optimizers hold references only, no tensors of their own
 
 # Orders the fetch units were last entered in, each unit's parameters (fetch.py).
 UnitOrder = Callable[[], list[list[ShardedParam]]]
+
+
+def leaf_parameters_of(stepped: list[ShardedParam], leaf_modules: dict[nn.Module, list[ShardedParam]]
+                       ) -> defaultdict[nn.Module, list[nn.Parameter]]:
+    """DeepSpeed's `optimizer.leaf_parameters`: each leaf module (set_z3_leaf_modules, the
+    config's leaf_module, the granularity threshold; `leaf_modules` gives their parameters)
+    -> those of its parameters that are `stepped`, in the module's order."""
+    ids = {id(sp) for sp in stepped}
+    found: defaultdict[nn.Module, list[nn.Parameter]] = defaultdict(list)
+    for module, sps in leaf_modules.items():
+        for sp in sps:
+            if id(sp) in ids:
+                found[module].append(sp.param)
+    return found
 
 
 class OptimizerSetupError(ValueError):
@@ -57,7 +80,7 @@ class ShardedOptimizer:
         optimizer: torch.optim.Optimizer,
         table: dict[torch.nn.Parameter, ShardedParam],
         comm: Communicator,
-        master_device: torch.device,
+        placement: Placement,
         gradient_clipping: float,
         check_overflow: bool = False,
         pin_memory: bool = False,
@@ -65,18 +88,20 @@ class ShardedOptimizer:
         unit_order: UnitOrder | None = None,
         usage: GradUsage | None = None,
         background: BackgroundStep | None = None,
+        leaf_modules: dict[nn.Module, list[ShardedParam]] | None = None,
     ) -> None:
         """`sub_group_numel`: elements per optimizer call (0: all at once). `unit_order`:
         given only when the update is to run behind the next forward (see the module doc), on
         `background`, the worker the fetcher and gradient sink were built to wait for.
         `usage`: which leaf parameters got a real gradient in the window (grads/usage.py);
-        None when every gradient shard stands for a real gradient."""
+        None when every gradient shard stands for a real gradient. `leaf_modules`: see leaf_parameters_of."""
         self.optimizer = optimizer
         self.comm = comm
-        self.master_device = master_device
+        self.placement = placement
         self.gradient_clipping = gradient_clipping
         self.check_overflow = check_overflow
-        self.pin_memory = pin_memory and master_device.type == "cpu" and torch.cuda.is_available()
+        self.pin_memory = pin_memory and torch.cuda.is_available()
+        self.write_back = ShardWriteBack()
         self.params: list[ShardedParam] = []
         self.masters: list[torch.Tensor] = []
         self._last_norm: torch.Tensor | float | None = None
@@ -88,14 +113,16 @@ class ShardedOptimizer:
         self._remap_param_groups(table)
         self._client_group_of = [
             index for index, group in enumerate(self.optimizer.param_groups) for _ in group["params"]]
+        self.leaf_parameters = leaf_parameters_of(self.params, leaf_modules or {})
 
     # ------------------------------------------------------------------ setup
     def _master_for(self, sp: ShardedParam) -> torch.Tensor:
-        shares_storage = sp.shard.dtype == torch.float32 and sp.shard.device == self.master_device
+        device = self.placement.state_device(sp)
+        shares_storage = sp.shard.dtype == torch.float32 and sp.shard.device == device
         if shares_storage:
             return sp.shard
-        master = sp.shard.to(self.master_device, torch.float32, copy=True)
-        return master.pin_memory() if self.pin_memory else master
+        master = sp.shard.to(device, torch.float32, copy=True)
+        return master.pin_memory() if self.pin_memory and device.type == "cpu" else master
 
     def _remap_param_groups(self, table: dict[torch.nn.Parameter, ShardedParam]) -> None:
         if self.optimizer.state:
@@ -166,24 +193,32 @@ class ShardedOptimizer:
     def _local_grad_norm_squared(self, grad_divisor: float) -> torch.Tensor:
         """This rank's part of the squared norm (fp64, one element), on the device the
         all-reduce runs on."""
-        grads, known = [], []
+        grads: dict[torch.device, list[torch.Tensor]] = {}
+        known = []
         for sp, m in zip(self.params, self.masters):
             if m.grad is None:
                 continue
             if sp.grad_sq_norm is not None and m.grad is sp.grad_shard:
                 known.append(sp.grad_sq_norm)  # taken on the GPU on the way to the host
             else:
-                grads.append(m.grad)
-        local = torch.zeros(1, dtype=torch.float64, device=self.master_device)
-        if grads:
-            # One fused pass for all shards, whatever their number.
-            norms = torch._foreach_norm(grads, 2.0)
-            local = local + torch.stack(norms).double().pow(2).sum()
+                grads.setdefault(m.grad.device, []).append(m.grad)
+        device = self.norm_device
+        local = torch.zeros(1, dtype=torch.float64, device=device)
+        for on_device in grads.values():
+            # One fused pass for all shards of a device, whatever their number.
+            norms = torch._foreach_norm(on_device, 2.0)
+            local = local + torch.stack(norms).double().pow(2).sum().to(device)
         if known:
-            local = local + torch.stack(known).sum().to(self.master_device) / grad_divisor ** 2
+            local = local + torch.stack(known).sum().to(device) / grad_divisor ** 2
         if self.comm.active and local.device.type == "cpu" and torch.cuda.is_available() and dist_backend_is_nccl():
             local = local.cuda()
         return local
+
+    @property
+    def norm_device(self) -> torch.device:
+        """Where the gradient norm is summed and reduced: the compute device (host-side
+        shards' norms are taken on the host and added there as one element)."""
+        return self.placement.compute_device
 
     def global_grad_norm(self) -> float:
         """L2 norm of the full gradient (waits for it)."""
@@ -192,11 +227,13 @@ class ShardedOptimizer:
     def _clip(self, squared_norm: torch.Tensor) -> None:
         """Scale the gradients by min(1, clip / (norm + 1e-6)), as torch's clip_grad_norm_,
         computed on the device (no host sync)."""
-        grads = [m.grad for m in self.masters if m.grad is not None]  # all on master_device
-        if not grads:
-            return
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for m in self.masters:
+            if m.grad is not None:
+                by_device.setdefault(m.grad.device, []).append(m.grad)
         coefficient = (self.gradient_clipping / (squared_norm.sqrt() + 1e-6)).clamp(max=1.0)
-        torch._foreach_mul_(grads, coefficient.to(self.master_device, torch.float32).reshape(()))
+        for device, grads in by_device.items():
+            torch._foreach_mul_(grads, coefficient.to(device, torch.float32).reshape(()))
 
     def step(self, grad_divisor: float = 1.0) -> bool:
         """One optimizer step over the shards; grads are consumed.
@@ -235,28 +272,44 @@ class ShardedOptimizer:
                 self._clip(squared)
         groups = self._separate_first_momentum(self.sub_groups())
         if self.unit_order is not None:
-            self._start_background(groups, grad_scale)
-            self._drop_shard_grads()  # the masters' .grad go with their sub-group, on the worker
-            return True
-        self.optimizer.grad_scale = grad_scale
-        self.optimizer.found_inf = (~torch.isfinite(squared)).float().reshape(()) if skip_in_kernel else None
-        try:
-            self._step_in_sub_groups(groups)
-        finally:
-            self.optimizer.grad_scale = None
-            self.optimizer.found_inf = None
+            on_device = [g for g in groups if self._tier_of(g) is Tier.DEVICE]
+            self._step_now(on_device, grad_scale, squared if skip_in_kernel else None, keep_others=True)
+            self._start_background([g for g in groups if self._tier_of(g) is Tier.HOST], grad_scale)
+            self._drop_shard_grads()  # the host masters' .grad go with their sub-group, on the worker
+            return not (skip_in_kernel and not math.isfinite(self.last_grad_norm))
+        self._step_now(groups, grad_scale, squared if skip_in_kernel else None, keep_others=False)
         self.zero_grad()
         # With the skip decided in the kernel, the host learns of it only now, while the
         # device runs the update it queued: masters and state are unchanged on overflow.
         return not (skip_in_kernel and not math.isfinite(self.last_grad_norm))
+
+    def _step_now(self, groups: list[list[int]], grad_scale: torch.Tensor | None,
+                  overflow_norm: torch.Tensor | None, keep_others: bool) -> None:
+        """The client optimizer over `groups`, here; `overflow_norm`: the squared norm the
+        fused kernels skip the update on when it is not finite. `keep_others`: the masters
+        outside `groups` keep their gradients (they step elsewhere)."""
+        if not groups:
+            return
+        self.optimizer.grad_scale = grad_scale
+        self.optimizer.found_inf = (~torch.isfinite(overflow_norm)).float().reshape(()) \
+            if overflow_norm is not None else None
+        try:
+            self._step_in_sub_groups(groups, keep_others)
+        finally:
+            self.optimizer.grad_scale = None
+            self.optimizer.found_inf = None
+
+    def _tier_of(self, group: list[int]) -> Tier:
+        return self.placement.state_tier(self.params[group[0]])
 
     def _skips_in_kernel(self, squared_norm: torch.Tensor) -> bool:
         """Overflow checking without a host sync before the update: torch's fused Adam and
         AdamW kernels leave parameters, moments and step counts untouched when their
         `found_inf` input is 1 (the hook GradScaler uses). On a GPU only: there the sync
         would leave the device idle while the host prepares the update."""
-        return (self.check_overflow and self.unit_order is None and squared_norm.device.type == "cuda"
-                and self._runs_fused(torch.optim.Adam, torch.optim.AdamW))
+        return (self.check_overflow and squared_norm.device.type == "cuda"
+                and self._runs_fused(torch.optim.Adam, torch.optim.AdamW)
+                and (self.unit_order is None or not self.placement.any_state_on_host))
 
     def _fused_kernels_unscale(self) -> bool:
         """True when every group runs torch's fused Adam / AdamW / SGD kernel, which divides
@@ -273,11 +326,23 @@ class ShardedOptimizer:
         """1 / min(1, clip / (norm + 1e-6)): what the gradients are divided by (one fp32
         element on the masters' device; no host sync on the GPU)."""
         coefficient = (self.gradient_clipping / (squared_norm.sqrt() + 1e-6)).clamp(max=1.0)
-        return (1.0 / coefficient).to(self.master_device, torch.float32).reshape(())
+        return (1.0 / coefficient).to(torch.float32).reshape(())  # fused kernels copy it to each device
 
     # ------------------------------------------------------------- sub-groups
     def sub_groups(self) -> list[list[int]]:
-        """Indices into `params`, one list per optimizer call, in the order they run."""
+        """Indices into `params`, one list per optimizer call, in the order they run; each
+        holds parameters of one placement tier (device-tier sub-groups first without the
+        overlapped host step; with it, the order the next forward needs them)."""
+        groups = []
+        for group in self._ordered_sub_groups():
+            for tier in (Tier.DEVICE, Tier.HOST):
+                part = [i for i in group if self.placement.state_tier(self.params[i]) is tier]
+                groups.extend(self._split(part) if part else [])
+        if self.unit_order is None:
+            groups.sort(key=lambda g: self._tier_of(g) is Tier.HOST)  # stable: device tier first
+        return groups
+
+    def _ordered_sub_groups(self) -> list[list[int]]:
         if self.unit_order is None:
             return self._split(list(range(len(self.params))))
         position = {id(sp): i for i, sp in enumerate(self.params)}
@@ -336,11 +401,12 @@ class ShardedOptimizer:
             numel += size
         return groups
 
-    def _step_in_sub_groups(self, groups: list[list[int]]) -> None:
+    def _step_in_sub_groups(self, groups: list[list[int]], keep_others: bool = False) -> None:
         """The client optimizer over one sub-group at a time: only that group's masters
         hold a gradient during its call, so the others are skipped (torch optimizers skip
-        parameters whose .grad is None). One sub-group: one plain call."""
-        if len(groups) == 1:
+        parameters whose .grad is None). One sub-group of every parameter: one plain call.
+        `keep_others`: the gradients of masters in no group are put back afterwards."""
+        if len(groups) == 1 and len(groups[0]) == len(self.params):
             self.optimizer.step()
             self._write_back_shards(groups[0])
             return
@@ -354,11 +420,18 @@ class ShardedOptimizer:
             self._write_back_shards(group)
             for i in group:
                 self.masters[i].grad = None
+        if keep_others:
+            stepped = {i for group in groups for i in group}
+            for i, master in enumerate(self.masters):
+                if i not in stepped:
+                    master.grad = grads[i]
 
     def _start_background(self, groups: list[list[int]], grad_scale: torch.Tensor | None) -> None:
         """Hand the update to the worker, one shadow optimizer per sub-group, with the
         client's hyper-parameters as they are now."""
         shadows = [self._shadow(tuple(group)) for group in groups]
+        if grad_scale is not None and grad_scale.device.type != "cpu":
+            grad_scale = grad_scale.cpu()  # here, not by the kernel's asynchronous copy on the worker
         for shadow in shadows:
             shadow.state = self.optimizer.state  # rebound each step: load_state_dict replaces it
             shadow.grad_scale = grad_scale
@@ -368,9 +441,13 @@ class ShardedOptimizer:
                 shadow_group.update({k: v.clone() if isinstance(v, torch.Tensor) else v
                                      for k, v in client_group.items() if k != "params"})
 
+        # The worker's copies into device shards must come after every read of those shards
+        # already queued on the compute stream (the backward's gathers).
+        queued = record_current_stream(self.placement.compute_device)
+
         def run(index: int) -> None:
             shadows[index].step()
-            self._write_back_shards(groups[index])
+            self._write_back_shards(groups[index], after=queued)
             for i in groups[index]:
                 self.masters[i].grad = None
 
@@ -396,6 +473,29 @@ class ShardedOptimizer:
             self._shadows[group] = shadow
         return shadow
 
+    # ------------------------------------------------------------ placement
+    def move_side(self, sp: ShardedParam, device: torch.device) -> None:
+        """`sp`'s master and optimizer state to `device`, between steps (optim/state_moves.py)."""
+        self.wait()
+        master = self._master_by_param.get(id(sp))
+        if master is not None:
+            index = next(i for i, m in enumerate(self.masters) if m is master)
+            group = self.optimizer.param_groups[self._client_group_of[index]]
+            move_master(master, self.optimizer.state.get(master, {}), group, device, self.pin_memory)
+
+    def reshare(self, sp: ShardedParam) -> None:
+        """An fp32 master next to its fp32 shard becomes the shard again (one copy)."""
+        master = self._master_by_param.get(id(sp))
+        if (master is not None and master is not sp.shard and not sp.aliased
+                and master.dtype == sp.shard.dtype == torch.float32 and master.device == sp.shard.device):
+            with torch.no_grad():
+                master.copy_(sp.shard)
+            sp.adopt_shard(master)
+
+    def placement_changed(self) -> None:
+        """Sub-groups are made anew from the placement's tiers."""
+        self._shadows.clear()
+
     def wait(self) -> None:
         """Until the update in flight (if any) is complete: call before reading or writing
         masters, optimizer state or parameter shards outside the fetch path."""
@@ -407,22 +507,10 @@ class ShardedOptimizer:
         return {id(sp): master for sp, master in zip(self.params, self.masters)}
 
 
-    def _write_back_shards(self, group: list[int]) -> None:
-        """master -> compute shard (a cast), one fused copy per device pair."""
-        pairs: dict[tuple[torch.device, torch.device], tuple[list, list]] = {}
-        for i in group:
-            sp, master = self.params[i], self.masters[i]
-            if master is not sp.shard:
-                shards, sources = pairs.setdefault((sp.shard.device, master.device), ([], []))
-                shards.append(sp.shard)
-                sources.append(master)
-        with torch.no_grad():
-            for (shard_device, master_device), (shards, sources) in pairs.items():
-                if shard_device == master_device:
-                    torch._foreach_copy_(shards, sources)
-                else:
-                    for shard, source in zip(shards, sources):
-                        shard.copy_(source)
+    def _write_back_shards(self, group: list[int], after: torch.cuda.Event | None = None) -> None:
+        """master -> compute shard for the parameters of `group` (optim/write_back.py)."""
+        self.write_back.write([(self.params[i].shard, self.masters[i]) for i in group
+                               if self.masters[i] is not self.params[i].shard], after)
 
     def _drop_shard_grads(self) -> None:
         """The window is over: gradient shards dropped, usage forgotten."""

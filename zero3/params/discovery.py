@@ -58,8 +58,8 @@ class TrackedParameters(dict):
 
 
 class TrackedAssignments(dict):
-    """A module's `_modules` (or, when nothing is ever gathered, its `_parameters`):
-    reports an entry assigned after initialize; reads are plain dict reads."""
+    """A module's `_modules`: reports an entry assigned after initialize; reads are plain
+    dict reads."""
 
     def __init__(self, original: dict, on_change: Callable[[], None]) -> None:
         super().__init__(original)
@@ -74,6 +74,15 @@ class TrackedAssignments(dict):
 
     def untracked(self) -> dict:
         return dict(self.items())
+
+
+class ResidentParameters(TrackedAssignments):
+    """A module's `_parameters` when nothing is ever gathered (every parameter resident):
+    assignments are noticed, reads are plain dict reads."""
+
+
+# What a module's `_parameters` is while an engine watches it (DeepSpeed's ZeROOrderedDict's role).
+PARAMETER_DICTS = (TrackedParameters, ResidentParameters)
 
 
 class AccessDiscovery:
@@ -93,7 +102,10 @@ class AccessDiscovery:
         self._on_access = on_access
         self._on_late_use = on_late_use
         self._on_structure_change = on_structure_change
-        self._storage_owner = {sp.param.untyped_storage()._cdata: sp for sp in table.values()}
+        self._storage_owner: dict[int, ShardedParam] = {}  # storage (_cdata) -> its parameter
+        self._storage_of: dict[int, int] = {}  # id(ShardedParam) -> its storage's _cdata
+        for sp in table.values():
+            self.storage_moved(sp)
         self._wrapped: dict[int, nn.Module] = {}
         self.structure_changed = False
         self.late_gathers = 0
@@ -109,7 +121,7 @@ class AccessDiscovery:
         if self.track_reads:
             module._parameters = TrackedParameters(module._parameters, self._on_access, self.note_change)
         else:
-            module._parameters = TrackedAssignments(module._parameters, self.note_change)
+            module._parameters = ResidentParameters(module._parameters, self.note_change)
         module._modules = TrackedAssignments(module._modules, self.note_change)
         self._wrapped[id(module)] = module
 
@@ -135,6 +147,15 @@ class AccessDiscovery:
         self.structure_changed = False
 
     # ------------------------------------------------------ storage owners
+    def storage_moved(self, sp: ShardedParam) -> None:
+        """`sp`'s parameter is on a new storage (released.py moved it): views of that one are its."""
+        old = self._storage_of.get(id(sp))
+        if old is not None and self._storage_owner.get(old) is sp:
+            del self._storage_owner[old]
+        key = sp.param.untyped_storage()._cdata
+        self._storage_owner[key] = sp
+        self._storage_of[id(sp)] = key
+
     def owner_of(self, tensor: torch.Tensor) -> ShardedParam | None:
         """The managed parameter whose storage `tensor` lives on (a view of it), if any."""
         return self._storage_owner.get(tensor.untyped_storage()._cdata)

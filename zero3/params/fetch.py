@@ -267,13 +267,16 @@ class Fetcher:
             sp.holds += 1
         self.lookahead.hand_over(params)
 
-    def drop(self, params: list[ShardedParam]) -> None:
+    def drop(self, params: list[ShardedParam], keep_aliases: bool = False) -> None:
+        """Drop a hold on each; the last one releases it (`keep_aliases`: GatheredParameters,
+        tensors taken from it keep their values, released.py)."""
         for sp in params:
             sp.holds -= 1
             if sp.holds <= 0:
                 sp.holds = 0
                 if not sp.persistent and sp.state is ParamState.FULL:
-                    sp.release()
+                    if sp.release(keep_aliases):
+                        self.discovery.storage_moved(sp)
                     self.wire.live_numel -= sp.numel
 
     def drop_spares(self) -> None:

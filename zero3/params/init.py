@@ -61,7 +61,7 @@ from zero3.params.released import (
     refuse_released,
     release_storage,
     restore_storage,
-    seal,
+    seal_alias,
 )
 from zero3.params.shard_layout import owned_range, shard_numel_for
 from zero3.params.status import mark_zero_parameter
@@ -399,7 +399,7 @@ class Init:
         release_storage(param)
         for alias in self._aliases.pop(id(param), []):
             if alias() is not None:
-                seal(alias())  # a view or `.data` the caller kept: its values are gone now too
+                seal_alias(alias())  # a view or `.data` the caller kept: it follows the parameter
 
     # ---------------------------------------------------------------- helpers
     @contextlib.contextmanager

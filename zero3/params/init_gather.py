@@ -63,7 +63,7 @@ class InitGather:
                 _holds[param] -= 1
                 if _holds[param] == 0:
                     del _holds[param]
-                    release_storage(param)
+                    release_storage(param, keep_aliases=True)  # tensors taken inside keep their values
         self._snapshots.clear()
         self._marks.clear()
         return changed_by_rank if raise_on_change else []

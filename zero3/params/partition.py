@@ -8,9 +8,11 @@ Memory ownership:
 - `shard` (compute dtype, on `shard_device`) is owned by this object and is the
   persistent copy of this rank's slice of the parameter's values.
 - The `nn.Parameter`'s own storage holds the full values only while the state is FULL.
-  In SHARDED its storage is resized to zero bytes, but the tensor keeps its shape, dtype
-  and device, so `p.shape`, `p.numel()` and `p.dtype` stay honest; it is sealed
-  (released.py), so code outside zero3 that touches its values gets a named error.
+  In SHARDED its storage is resized to zero bytes (or, where tensors taken from it while
+  gathered should keep their values, replaced by a fresh empty one: released.py), but the
+  tensor keeps its shape, dtype and device, so `p.shape`, `p.numel()` and `p.dtype` stay
+  honest; it is sealed (released.py), so code outside zero3 that touches its values gets a
+  named error.
 - `grad_shard` (fp32, same device as the optimizer's master) accumulates this rank's
   slice of the averaged gradient; it is owned here and handed to the optimizer.
 
@@ -125,13 +127,40 @@ class ShardedParam:
                 f"{verb}({self.name}): parameter is {self.state.value}, expected {state.value}"
             )
 
-    def release(self) -> None:
-        """FULL -> SHARDED: free the full storage; metadata stays."""
+    def release(self, keep_aliases: bool = False) -> bool:
+        """FULL -> SHARDED: free the full storage; metadata stays. True when the parameter
+        moved to a fresh storage instead, leaving the old one to tensors that share it
+        (released.py: with `keep_aliases`, or when NumPy holds it)."""
         self._expect(ParamState.FULL, "release")
         if self.persistent:
             raise StateError(f"release({self.name}): persistent parameters stay full")
-        release_storage(self.param)
+        moved = release_storage(self.param, keep_aliases)
         self.state = ParamState.SHARDED
+        return moved
+
+    def move_shard(self, device: torch.device, pin_memory: bool = False) -> None:
+        """The shard moves to `device` (values kept) as a new tensor: a tensor that was the
+        shard (an fp32 master sharing it) stays where it was, with the same values. Pinned on
+        the host when `pin_memory` and CUDA is there. An aliased shard is the parameter's own
+        storage and never moves."""
+        if self.shard.device == device:
+            return
+        if self.aliased:
+            raise StateError(f"move_shard({self.name}): an aliased shard is the parameter itself")
+        shard = self.shard.to(device, copy=True)
+        if pin_memory and device.type == "cpu" and torch.cuda.is_available():
+            shard = shard.pin_memory()
+        self.shard = shard
+        self.shard_device = device
+
+    def adopt_shard(self, tensor: torch.Tensor) -> None:
+        """`tensor` (same shape, dtype and values) becomes the shard: an fp32 master moved
+        next to its shard is shared with it again."""
+        if tensor.shape != self.shard.shape or tensor.dtype != self.shard.dtype or self.aliased:
+            raise StateError(f"adopt_shard({self.name}): {tuple(tensor.shape)} {tensor.dtype} for a shard of "
+                             f"{tuple(self.shard.shape)} {self.shard.dtype} (aliased: {self.aliased})")
+        self.shard = tensor
+        self.shard_device = tensor.device
 
     def alias_shard(self) -> None:
         """FULL -> FULL, resident for good: the shard becomes a view of the parameter's

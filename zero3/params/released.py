@@ -21,11 +21,24 @@ Two guards make every such touch fail loudly with `ReleasedParameterError`:
   (`UninitializedParameter` changes `__class__` when materialized); nothing is stored
   on the parameter.
 
-Nothing here holds memory: the checks read metadata only.
+Aliases taken while a parameter is gathered (`p.detach().cpu()` on the CPU, `p.data`, a
+NumPy view) share its storage. Where the release comes from GatheredParameters
+(`keep_aliases`) and such a tensor holds the storage (its use count, torch's
+`_storage_Use_Count`, is above the parameter's own), they keep their values, as under
+DeepSpeed: the parameter moves to a fresh, empty storage and the old one stays whole with
+its holders, freed with the last of them. Nothing else holding it, the storage is freed in
+place. Sealed aliases (taken while released) follow the parameter instead: where one is
+alive, the storage is freed in place, and they are sealed again.
+Releases while the model runs always free in place, so that the tensors autograd saved
+in forward are freed too and valid again once the parameter is gathered for backward.
+
+Nothing here holds memory: the checks read metadata only; `_sealed_aliases` holds weak
+references.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -134,6 +147,7 @@ _CONVERSIONS = {"float": torch.float32, "double": torch.float64, "half": torch.f
 
 _sealed_classes: dict[type, type] = {}
 _names: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter -> its name in the model, for errors
+_sealed_aliases: dict[int, list[weakref.ref]] = {}  # storage (_cdata) -> sealed aliases living on it
 
 
 class _Sealed:
@@ -209,6 +223,23 @@ def seal(tensor: torch.Tensor) -> None:
         tensor.__class__ = sealed_class_for(type(tensor))
 
 
+def seal_alias(alias: torch.Tensor) -> torch.Tensor:
+    """Seal `alias`, a tensor on a released parameter's storage that should follow the
+    parameter (values back while it is gathered, refused while released); returns it."""
+    seal(alias)
+    key = alias.untyped_storage()._cdata
+    _sealed_aliases[key] = _live_sealed_aliases(key) + [weakref.ref(alias)]
+    return alias
+
+
+def _live_sealed_aliases(key: int) -> list[weakref.ref]:
+    """The sealed aliases on storage `key` still alive; the dead ones are forgotten."""
+    live = [ref for ref in _sealed_aliases.pop(key, []) if ref() is not None]
+    if live:
+        _sealed_aliases[key] = live
+    return live
+
+
 def unseal(tensor: torch.Tensor) -> None:
     if is_sealed(tensor):
         tensor.__class__ = type(tensor)._plain_class
@@ -219,21 +250,39 @@ def name_for_errors(param: torch.Tensor, name: str) -> None:
     _names[param] = name
 
 
-def release_storage(param: torch.Tensor) -> None:
-    """Free `param`'s storage (its shape, dtype and device stay) and seal it.
+def release_storage(param: torch.Tensor, keep_aliases: bool = False) -> bool:
+    """Free `param`'s storage (its shape, dtype and device stay) and seal it; True when the
+    parameter moved to a fresh storage (the old one's holders keep it) instead.
 
-    A storage that cannot be resized stays whole with whoever holds it: user code that
-    read the gathered values as NumPy (`p.detach().cpu().numpy()` shares the storage on
-    CPU and marks it not resizable for good) keeps its array, values intact, and the
-    parameter moves to a fresh storage of its own, released. Memory: the held storage is
-    the holder's from then on; the parameter owns only the fresh, empty one."""
+    It moves when its storage cannot be resized (user code read the gathered values as
+    NumPy: `p.detach().cpu().numpy()` shares the storage on CPU and marks it not resizable
+    for good), and with `keep_aliases` unless a sealed alias lives on it (module doc).
+    Memory: a held storage is its holders' from then on; the parameter owns only the fresh,
+    empty one."""
     storage = param.untyped_storage()
-    if not storage.resizable():
-        with torch.no_grad():
-            param.data = torch.empty(param.shape, dtype=param.dtype, device=param.device)
-        storage = param.untyped_storage()
-    storage.resize_(0)
+    moved = not storage.resizable() or (keep_aliases and _held_by_others(storage))
+    if moved:
+        _move_to_empty_storage(param)
+    else:
+        storage.resize_(0)
     seal(param)
+    return moved
+
+
+def _held_by_others(storage: torch.UntypedStorage) -> bool:
+    """Whether a tensor other than the parameter (and `storage`, this Python handle on it)
+    holds `storage`, sealed aliases aside."""
+    others = torch._C._storage_Use_Count(storage._cdata) - 2
+    return others > 0 and not _live_sealed_aliases(storage._cdata)
+
+
+def _move_to_empty_storage(param: torch.Tensor) -> None:
+    """`param` onto a new storage, emptied at once, its shape, strides, dtype and device
+    kept (the new full-size allocation lives only between these two lines); the old storage
+    is left to whoever else holds it."""
+    with torch.no_grad():
+        param.data = torch.empty_strided(param.shape, param.stride(), dtype=param.dtype, device=param.device)
+    param.untyped_storage().resize_(0)
 
 
 def restore_storage(param: torch.Tensor) -> None:
@@ -323,7 +372,7 @@ def _seal_released(result: Any) -> Any:
     """Seal each released tensor in `result` (an alias of a sealed tensor)."""
     def seal_one(t: Any) -> Any:
         if isinstance(t, torch.Tensor) and not is_sealed(t) and is_released(t):
-            return t.as_subclass(ReleasedTensor)
+            return seal_alias(t.as_subclass(ReleasedTensor))
         return t
     return pytree.tree_map(seal_one, result)
 

@@ -186,6 +186,9 @@ class Accelerator:
     def memory_reserved(self, device_index: int | None = None) -> int:
         return torch.cuda.memory_reserved(device_index) if self._name == "cuda" else 0
 
+    def max_memory_reserved(self, device_index: int | None = None) -> int:
+        return torch.cuda.max_memory_reserved(device_index) if self._name == "cuda" else 0
+
     def total_memory(self, device_index: int | None = None) -> int:
         if self._name == "cuda":
             return torch.cuda.get_device_properties(device_index or 0).total_memory

@@ -5,7 +5,9 @@ any committed zero3 checkpoint (verified first: manifest, sizes, sha256), saved 
 number of ranks; the result is what DeepSpeed 0.19's `save_checkpoint` writes for ZeRO
 stage 3 on `world_size` data-parallel ranks with the given `sub_group_size`
 (layout.py describes it), so `engine.load_checkpoint(DST)` of a DeepSpeed engine
-built the same way resumes it:
+built the same way resumes it. The sub_group_size and the optimizer DeepSpeed builds
+(whose keys the param groups must hold) default to the checkpoint's recorded config
+(export_target.py):
 
   DST/latest                                              the tag
   DST/<tag>/zero_pp_rank_R_mp_rank_00_model_states.pt     R = 0 .. world_size-1
@@ -48,6 +50,7 @@ import torch
 
 from zero3.checkpoint import format as ckpt
 from zero3.checkpoint.deepspeed import trainer_folder as trainer
+from zero3.checkpoint.deepspeed.export_target import ExportTarget, deepspeed_param_group, deepspeed_step, resolve
 from zero3.checkpoint.deepspeed.layout import DEEPSPEED_KEYS
 from zero3.checkpoint.deepspeed.pickling import loss_scaler_object, save_with_deepspeed_names, zero_stage_3
 from zero3.checkpoint.files import fsync_dir, removed_on_failure
@@ -167,7 +170,7 @@ class _Export:
     manifest: dict[str, Any]
     common: dict[str, Any]
     world: int
-    sub_group_size: int
+    target: ExportTarget
     groups: list[list[Member]]
     group_of: list[int]
     states: list[dict[str, Any]]
@@ -184,17 +187,24 @@ class _Export:
 
 def _ds_config(export: _Export) -> dict[str, Any]:
     """The parts of a DeepSpeed config this checkpoint implies (DeepSpeed's loader does not
-    read it; zero3's reader takes the compute dtype and accumulation steps from it)."""
+    read it; zero3's reader takes the compute dtype and accumulation steps from it, and
+    export-deepspeed the sub_group_size and optimizer section after an import)."""
     common, dtype = export.common, export.compute_dtype
     steps = int(common.get("global_steps", 0))
     micro = int(common.get("micro_steps", 0))
     config: dict[str, Any] = {
         "gradient_accumulation_steps": micro // steps if steps and micro % steps == 0 else 1,
-        "zero_optimization": {"stage": 3, "sub_group_size": export.sub_group_size},
+        "zero_optimization": {"stage": 3, "sub_group_size": export.target.sub_group_size},
         "bf16": {"enabled": dtype == torch.bfloat16}, "fp16": {"enabled": dtype == torch.float16},
     }
     if common.get("lr_scheduler_type") in DEEPSPEED_SCHEDULERS:
         config["scheduler"] = {"type": common["lr_scheduler_type"]}
+    recorded = common.get("ds_config") or {}  # kept so that importing the export finds the same optimizer
+    if isinstance(recorded.get("optimizer"), dict):
+        config["optimizer"] = recorded["optimizer"]
+    offload = (recorded.get("zero_optimization") or {}).get("offload_optimizer")
+    if isinstance(offload, dict):
+        config["zero_optimization"]["offload_optimizer"] = offload
     return config
 
 
@@ -208,6 +218,8 @@ def _optim_state(export: _Export, reader: ckpt.ShardReader, rank: int) -> dict[s
         flat = torch.cat([_rank_slice(reader, _master_key(export.manifest, m.name), m, rank) for m in group])
         flats.append(flat.requires_grad_(True))
         entry: dict[str, Any] = {key: value.clone() for key, value in sub_state["scalars"].items()}
+        if "step" in entry:
+            entry["step"] = deepspeed_step(entry["step"], export.target)
         for key in sub_state["elementwise"]:
             entry[key] = torch.cat([_rank_slice(reader, f"optim/{m.name}/{key}", m, rank) for m in group])
         entry.update(sub_state["extras"])
@@ -216,7 +228,7 @@ def _optim_state(export: _Export, reader: ckpt.ShardReader, rank: int) -> dict[s
     param_groups = []
     for group_id, hyper in enumerate(export.common.get("param_groups", [])):
         indices = [i for i, owner in enumerate(export.group_of) if owner == group_id]
-        param_groups.append({**hyper, "params": indices})
+        param_groups.append({**deepspeed_param_group(hyper, export.target, group_id), "params": indices})
     scaler = export.common.get("loss_scaler")
     return {"optimizer_state_dict": {
         "zero_stage": zero_stage_3(), "loss_scaler": loss_scaler_object(scaler, export.compute_dtype),
@@ -294,10 +306,12 @@ def _save(value: Any, path: Path) -> int:
     return path.stat().st_size
 
 
-def _planned(folder: Path, world: int, sub_group_size: int, reader: ckpt.ShardReader) -> _Export:
+def _planned(folder: Path, world: int, sub_group_size: int | None, optimizer: str | None,
+             reader: ckpt.ShardReader) -> _Export:
     manifest = ckpt.read_manifest(folder)
     common = ckpt.unpickle_file(folder / ckpt.COMMON)
-    groups, group_of = sub_groups(manifest, common, folder, world, sub_group_size)
+    target = resolve(common, sub_group_size, optimizer)
+    groups, group_of = sub_groups(manifest, common, folder, world, target.sub_group_size)
     states = _check_states(manifest, common, reader, groups, folder)
     clashes = sorted(map(str, set(common.get("client_state") or {}) & DEEPSPEED_KEYS))
     if clashes:
@@ -305,7 +319,9 @@ def _planned(folder: Path, world: int, sub_group_size: int, reader: ckpt.ShardRe
             f"{folder}: client_state keys {clashes} are names DeepSpeed uses for its own entries in the model "
             "file, where the client_state is written (DeepSpeed would read them as its own): rename them in the "
             "client_state given to save_checkpoint, save again and export that (nothing was written)")
-    return _Export(folder, manifest, common, world, sub_group_size, groups, group_of, states)
+    for group_id, hyper in enumerate(common.get("param_groups", [])):
+        deepspeed_param_group(hyper, target, group_id)  # refused before the first write
+    return _Export(folder, manifest, common, world, target, groups, group_of, states)
 
 
 def _source_folder(src: Path, tag: str | None) -> Path:
@@ -317,10 +333,14 @@ def _source_folder(src: Path, tag: str | None) -> Path:
     return src / resolved
 
 
-def export_deepspeed(src: Path, dst: Path, world_size: int, sub_group_size: int = 1_000_000_000,
-                     tag: str | None = None) -> dict[str, Any]:
+def export_deepspeed(src: Path, dst: Path, world_size: int, sub_group_size: int | None = None,
+                     tag: str | None = None, optimizer: str | None = None) -> dict[str, Any]:
     """Write zero3 checkpoint (src, tag) as DeepSpeed ZeRO-3 checkpoint `dst/<its tag>` for
     `world_size` ranks and point `dst/latest` at it. Returns what was written.
+
+    `sub_group_size` and `optimizer` ("fused", "cpu-adam", "torch": the optimizer the
+    DeepSpeed run builds) default to what the checkpoint's recorded config implies
+    (export_target.py); the summary says which values were used and where they came from.
 
     When `src` is a Hugging Face Trainer `checkpoint-N` folder (trainer_state.json), `dst`
     becomes one too: the Trainer's files are copied beside DeepSpeed's (trainer_folder.py),
@@ -330,7 +350,7 @@ def export_deepspeed(src: Path, dst: Path, world_size: int, sub_group_size: int 
     Raises CheckpointError for a source that fails verification or cannot be expressed
     in DeepSpeed's layout, and when the destination tag (or a Trainer file) exists;
     nothing is written then."""
-    if world_size < 1 or sub_group_size < 1:
+    if world_size < 1 or (sub_group_size is not None and sub_group_size < 1):
         raise ckpt.CheckpointError(
             f"world_size {world_size} and sub_group_size {sub_group_size}: both must be at least 1")
     folder = _source_folder(Path(src), tag)
@@ -345,11 +365,13 @@ def export_deepspeed(src: Path, dst: Path, world_size: int, sub_group_size: int 
     extra = trainer.trainer_entries(Path(src)) if trainer.is_trainer_checkpoint(Path(src)) else []
     trainer.refuse_existing(extra, Path(dst))
     with ckpt.ShardReader(folder, manifest) as reader:
-        export = _planned(folder, world_size, sub_group_size, reader)
+        export = _planned(folder, world_size, sub_group_size, optimizer, reader)
         written = _write_rank_files(export, reader, out)
     copied = _copy_trainer_files(extra, out)
     _write_latest(Path(dst), folder.name)
     summary = {"folder": str(out), "tag": folder.name, "world_size": world_size, "sub_groups": len(export.groups),
+               "sub_group_size": export.target.sub_group_size, "sub_group_size_from": export.target.sub_group_size_from,
+               "optimizer": export.target.optimizer, "optimizer_from": export.target.optimizer_from,
                "files": sorted(written), "bytes": sum(written.values()),
                "global_steps": int(export.common.get("global_steps", 0)), "trainer_files": copied,
                "trainer_note": trainer.rng_note(extra, world_size) if extra else None}

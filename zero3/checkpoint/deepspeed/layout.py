@@ -12,7 +12,8 @@ What DeepSpeed writes for ZeRO stage 3 (`save_dir/latest` names the tag):
   <tag>/[bf16_]zero_pp_rank_{r}_mp_rank_00_optim_states.pt
       optimizer_state_dict: zero_stage, loss_scaler, partition_count,
       fp32_flat_groups (rank r's fp32 master of each sub-group, flat), and the torch
-      optimizer's state_dict whose entry i is sub-group i (exp_avg, ... flat; step).
+      optimizer's state_dict whose entry i is sub-group i (exp_avg, ... flat; step: a
+      tensor from torch's optimizers, a Python int from DeepSpeed's own, read as a tensor).
 
 Partitioning: a parameter of n elements on N ranks is padded to N * ceil(n / N); rank r
 holds elements [r * ceil(n/N), (r+1) * ceil(n/N)) of it, the tail of the last ranks being
@@ -38,6 +39,7 @@ copied out of them by the caller.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import dataclass
@@ -331,6 +333,21 @@ def _state_kinds(folder: Path, optims: list[dict], slots: list[list[Slot]]) -> d
     return kinds or {}
 
 
+def _steps_as_tensors(optims: list[dict]) -> None:
+    """A `step` kept as a Python number becomes the 0-dim float32 tensor torch's optimizers
+    keep (in place, in the loaded state). DeepSpeed's own optimizers count steps in a Python
+    int: DeepSpeedCPUAdam (`offload_optimizer`), FusedAdam, CPU Adagrad and Lion; torch's
+    Adam and AdamW refuse a number there at their first step ("`state_steps` argument must
+    contain a list of singleton tensors")."""
+    for optim in optims:
+        inner = optim["optimizer_state_dict"].get("optimizer_state_dict")
+        states = inner.get("state", {}) if isinstance(inner, dict) else {}
+        for entry in states.values():
+            step = entry.get("step") if isinstance(entry, dict) else None
+            if isinstance(step, (int, float)) and not isinstance(step, bool):
+                entry["step"] = torch.tensor(float(step), dtype=torch.float32)
+
+
 def _sub_group_states(folder: Path, rank: int, optim: dict, count: int) -> tuple[dict, list]:
     """The torch optimizer's state and the state index of each sub-group, in flat order."""
     inner = optim["optimizer_state_dict"].get("optimizer_state_dict")
@@ -360,6 +377,11 @@ def _loss_scaler_state(scaler: Any, dtype: torch.dtype) -> dict[str, Any] | None
     }
 
 
+def _plain_config(config: Any) -> dict | None:
+    """The DeepSpeed run's config as JSON values (any other value as its str); None if absent."""
+    return json.loads(json.dumps(config, default=str)) if isinstance(config, dict) else None
+
+
 def _accumulation_steps(config: Any, world: int) -> int:
     """gradient_accumulation_steps of the run's config (given, or from the batch sizes), else 1."""
     steps = _config_section(config, "gradient_accumulation_steps")
@@ -385,6 +407,7 @@ class DeepSpeedCheckpoint:
         self.folder = folder
         self.world_size = len(models)
         self._models = models
+        _steps_as_tensors(optims)
         self._states = [o["optimizer_state_dict"] for o in optims]
         self.sub_groups = _trainable_slots(folder, models)
         _check_flats(folder, optims, self.sub_groups)
@@ -484,10 +507,13 @@ class DeepSpeedCheckpoint:
             "loss_scaler": _loss_scaler_state(self._states[0].get("loss_scaler"), self.compute_dtype),
             "param_groups": [{k: v for k, v in g.items() if k not in IMPLEMENTATION_KEYS}
                              for g in inner["param_groups"]],
+            "param_group_members": [[slot.name for index in group["params"] for slot in self.sub_groups[index]]
+                                    for group in inner["param_groups"]],
             "optim_extras": extras,
             "lr_scheduler": model0.get("lr_scheduler"),
             "lr_scheduler_type": _config_section(config, "scheduler", "type"),
             "client_state": {k: v for k, v in model0.items() if k not in DEEPSPEED_KEYS},
+            "ds_config": _plain_config(config),  # what export-deepspeed reads to go back
         }
 
     # ------------------------------------------------------------- reading

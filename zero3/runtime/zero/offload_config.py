@@ -1,4 +1,4 @@
-"""`deepspeed.runtime.zero.offload_config`: the offload device names."""
+"""`deepspeed.runtime.zero.offload_config`: the offload device names and the state kinds."""
 
 from enum import Enum
 
@@ -11,4 +11,14 @@ class OffloadDeviceEnum(str, Enum):
     nvme = "nvme"
 
 
-__all__ = ["OffloadDeviceEnum"]
+class OffloadStateTypeEnum(str, Enum):
+    """The state kinds `engine.offload_states(include=...)` moves (engine_parts/state_offload.py)."""
+
+    optim_states = "optim_states"
+    hp_params = "hp_params"
+    lp_params = "lp_params"
+    lp_grads = "lp_grads"
+    contiguous_grad_buffer = "contiguous_grad_buffer"
+
+
+__all__ = ["OffloadDeviceEnum", "OffloadStateTypeEnum"]

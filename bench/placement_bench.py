@@ -1,0 +1,274 @@
+#!/usr/bin/env python
+"""Offload under a GPU memory budget against the GPU-resident run, world size 1, one process.
+
+    torchrun --standalone --nproc_per_node=1 bench/placement_bench.py --layers 26 --width 3072 \
+        --intermediate 8192 --heads 24 --seq 2048 --cases auto:2 --rows rows.jsonl
+    python3 bench/placement_bench.py --table rows.jsonl
+
+Run one case per process (bench/placement_gpu.sh does): a destroyed engine's GPU memory is
+not all returned while the process lives, so a case run after another sees less free memory.
+
+A case is `kind:micro_batch`:
+- `resident`: zero3 with nothing offloaded (every piece on the GPU);
+- `auto`: zero3 with offload_param and offload_optimizer on the CPU and the budget left to
+  zero3 (placement "auto": the first accumulation window measured, then what fits moves to the
+  GPU once);
+- `budget=<GiB>`: both offloads under that budget;
+- `ds_offload`, `ds_ratio=<r>`, `ds_super`: DeepSpeed 0.19.8 with both offloads and its CPU Adam
+  (the config's AdamW), with offload_optimizer.ratio r (its Twin-Flow partial offload), or
+  with super_offload;
+- `plain_bf16`: plain PyTorch, a bf16 model with fused AdamW (the ceiling, half the bytes);
+- `plain_autocast`: plain PyTorch, an fp32 model under bf16 autocast with fused AdamW (zero3's
+  arithmetic).
+Every case builds a Llama (transformers' LlamaForCausalLM, random weights) on the GPU from the
+same seed, trains on the same random tokens (decoder layers as zero3 leaf units, the config's
+AdamW), and reports the median step, tokens/s, model TFLOPS (6 * params * tokens), the peak
+of allocated GPU memory after the warm-up steps, the host's resident memory, zero3's placement
+line, and the first losses (so that the runs can be compared: the GPU and CPU AdamW kernels
+round differently).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+ROOT = os.environ.get("ZERO3_TREE") or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--layers", type=int, default=26)
+    p.add_argument("--width", type=int, default=3072)
+    p.add_argument("--intermediate", type=int, default=8192)
+    p.add_argument("--heads", type=int, default=24)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--cases", default="resident:2,auto:2,auto:4")
+    p.add_argument("--cap-gib", type=float, default=None, help="torch.cuda.set_per_process_memory_fraction")
+    p.add_argument("--rows", default=None, help="append each case's result to this JSON-lines file")
+    p.add_argument("--table", default=None, help="only print the table of a --rows file and exit")
+    return p.parse_args()
+
+
+def build_llama(args) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(vocab_size=args.vocab, hidden_size=args.width, num_hidden_layers=args.layers,
+                      intermediate_size=args.intermediate, num_attention_heads=args.heads,
+                      max_position_embeddings=args.seq, tie_word_embeddings=False, use_cache=False)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(1234)
+    with torch.device("cuda"):
+        return LlamaForCausalLM(cfg)
+
+
+def tokens_for(args, micro: int, step: int) -> torch.Tensor:
+    gen = torch.Generator(device="cpu").manual_seed(step)
+    return torch.randint(0, args.vocab, (micro, args.seq + 1), generator=gen).cuda()
+
+
+def loss_of(model, tokens) -> torch.Tensor:
+    logits = model(input_ids=tokens[:, :-1], use_cache=False).logits
+    return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+
+
+def zero3_case(args, kind: str, micro: int):
+    import zero3
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    model = build_llama(args)
+    zero = {"stage": 3, "stage3_param_persistence_threshold": 0}
+    config = {"train_micro_batch_size_per_gpu": micro, "gradient_clipping": 1.0, "bf16": {"enabled": True},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "weight_decay": 0.0}}, "steps_per_print": None,
+              "zero_optimization": zero}
+    if kind != "resident":
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if kind.startswith("budget="):
+        config["placement"] = {"gpu_budget": int(float(kind.split("=")[1]) * (1 << 30))}
+    model = _Wrapped(model)
+    zero3.set_z3_leaf_modules(model, [LlamaDecoderLayer])
+    engine, *_ = zero3.initialize(model=model, config=config)
+
+    calls = [0]
+
+    def step(tokens):
+        loss = engine(tokens)
+        phases = [("forward", _memory())]
+        engine.backward(loss)
+        phases.append(("backward", _memory()))
+        engine.step()
+        phases.append(("step", _memory()))
+        calls[0] += 1
+        if calls[0] <= 3:
+            print(f"  step {calls[0]}: " + ", ".join(f"after {name} {now:.2f} GiB (peak {peak:.2f})"
+                                                    for name, (now, peak) in phases), flush=True)
+        return loss
+
+    def describe():
+        plan = getattr(getattr(engine, "placement", None), "plan", None)
+        return plan.describe() if plan is not None else "placement: none (all offloaded as configured)"
+
+    print(f"  after initialize: {_memory()[0]:.2f} GiB allocated", flush=True)
+
+    return step, describe, lambda: engine.destroy()
+
+
+def _memory() -> tuple[float, float]:
+    return torch.cuda.memory_allocated() / (1 << 30), torch.cuda.max_memory_allocated() / (1 << 30)
+
+
+class _Wrapped(torch.nn.Module):
+    def __init__(self, lm):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, tokens):
+        return loss_of(self.lm, tokens)
+
+
+def deepspeed_case(args, kind: str, micro: int):
+    import logging
+
+    import deepspeed
+
+    deepspeed.utils.logger.setLevel(logging.WARNING)
+    model = _Wrapped(build_llama(args))
+    offload_optimizer = {"device": "cpu", "pin_memory": True}
+    if kind.startswith("ds_ratio="):
+        offload_optimizer["ratio"] = float(kind.split("=")[1])
+    if kind == "ds_super":
+        offload_optimizer["super_offload"] = True
+    config = {"train_micro_batch_size_per_gpu": micro, "gradient_clipping": 1.0, "bf16": {"enabled": True},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "weight_decay": 0.0}}, "steps_per_print": 1000,
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                    "offload_param": {"device": "cpu", "pin_memory": True},
+                                    "offload_optimizer": offload_optimizer}}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+
+    def step(tokens):
+        loss = engine(tokens)
+        engine.backward(loss)
+        engine.step()
+        return loss
+
+    return step, lambda: f"DeepSpeed {deepspeed.__version__}, offload_optimizer {offload_optimizer}", lambda: None
+
+
+def plain_case(args, kind: str, micro: int):
+    model = build_llama(args)
+    if kind == "plain_bf16":
+        model = model.to(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0, fused=True)
+
+    def step(tokens):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=kind == "plain_autocast"):
+            loss = loss_of(model, tokens)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    return step, lambda: "placement: plain PyTorch, everything on the GPU", lambda: None
+
+
+def run_case(args, kind: str, micro: int, params: int) -> dict:
+    builder = plain_case if kind.startswith("plain") else deepspeed_case if kind.startswith("ds_") else zero3_case
+    torch.cuda.empty_cache()
+    started = time.perf_counter()
+    step, describe, close = builder(args, kind, micro)
+    init_s = time.perf_counter() - started
+    losses, times = [], []
+    for i in range(args.warmup + args.steps):
+        if i == args.warmup:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        tokens = tokens_for(args, micro, i)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss = step(tokens)
+        losses.append(float(loss.item()))
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    median = statistics.median(times[args.warmup:])
+    tokens = micro * args.seq
+    result = {"kind": kind, "micro": micro, "step_ms": median * 1e3, "tokens_s": tokens / median,
+              "tflops": 6 * params * tokens / median / 1e12,
+              "peak_gib": torch.cuda.max_memory_allocated() / (1 << 30),
+              "host_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20),
+              "init_s": init_s, "first_steps_ms": [round(t * 1e3) for t in times[:args.warmup]],
+              "plan": describe(), "losses": losses}
+    close()
+    gc.collect()
+    torch.cuda.empty_cache()
+    return result
+
+
+def print_table(rows: list[dict]) -> None:
+    """Each case against the resident run at its micro-batch (or the largest resident one)."""
+    base = {r["micro"]: r for r in rows if r["kind"] == "resident"}
+    print("\n| case | micro | ms/step | tokens/s | TFLOPS | peak GiB | tokens/s vs resident (its micro, else the largest) |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        ref = base.get(r["micro"]) or (base[max(base)] if base else None)
+        ratio = f"{r['tokens_s'] / ref['tokens_s']:.3f} (resident micro {ref['micro']})" if ref else "-"
+        print(f"| {r['kind']} | {r['micro']} | {r['step_ms']:.1f} | {r['tokens_s']:.0f} | {r['tflops']:.1f} | "
+              f"{r['peak_gib']:.2f} | {ratio} |")
+
+
+def main() -> None:
+    args = parse()
+    if args.table:
+        with open(args.table) as f:
+            print_table([json.loads(line) for line in f if line.strip()])
+        return
+    dist.init_process_group("nccl")
+    torch.cuda.set_device(0)
+    if args.cap_gib:
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(args.cap_gib * (1 << 30) / total)
+    with torch.device("meta"):
+        from transformers import LlamaConfig, LlamaForCausalLM
+        params = sum(p.numel() for p in LlamaForCausalLM(LlamaConfig(
+            vocab_size=args.vocab, hidden_size=args.width, num_hidden_layers=args.layers,
+            intermediate_size=args.intermediate, num_attention_heads=args.heads, tie_word_embeddings=False)).parameters())
+    print(f"# {torch.cuda.get_device_name(0)}, torch {torch.__version__}, Llama {params / 1e9:.2f}B, seq {args.seq}, "
+          f"{args.warmup} warm-up + {args.steps} measured steps, cap {args.cap_gib} GiB", flush=True)
+    rows = []
+    for case in args.cases.split(","):
+        kind, micro = case.rsplit(":", 1)
+        try:
+            row = run_case(args, kind, int(micro), params)
+        except Exception as exc:  # noqa: BLE001 - reported in the table
+            print(f"{case}: failed: {type(exc).__name__}: {str(exc)[:400]}", flush=True)
+            gc.collect()
+            torch.cuda.empty_cache()
+            continue
+        rows.append(row)
+        print(f"{case}: {row['step_ms']:.1f} ms/step, {row['tokens_s']:.0f} tokens/s, {row['tflops']:.1f} TFLOPS, "
+              f"peak {row['peak_gib']:.2f} GiB, host RSS {row['host_rss_gib']:.1f} GiB, init {row['init_s']:.1f} s, "
+              f"warm-up steps {row['first_steps_ms']} ms\n  {row['plan']}\n  losses {[round(x, 4) for x in row['losses']]}",
+              flush=True)
+    if args.rows:
+        with open(args.rows, "a") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+    print_table(rows)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,127 @@
+"""The placement planner (zero3/placement/plan.py) on sizes alone: budgets that fit nothing,
+everything and a part; frozen units first; DeepSpeed's offload_optimizer.ratio; a budget too
+small for what must be on the device; the config's byte sizes."""
+
+from __future__ import annotations
+
+import pytest
+
+from zero3.config import ConfigError, from_deepspeed
+from zero3.placement.plan import PlacementError, PlanInputs, Tier, UnitSize, make_plan
+
+# Four units in forward order: a frozen embedding, two trainable blocks, a trainable head.
+UNITS = (
+    UnitSize("embed", param_bytes=100, state_bytes=0, gathered_bytes=200),
+    UnitSize("block0", param_bytes=50, state_bytes=400, gathered_bytes=100),
+    UnitSize("block1", param_bytes=50, state_bytes=400, gathered_bytes=100),
+    UnitSize("head", param_bytes=10, state_bytes=80, gathered_bytes=20),
+)
+WORKING = 300
+RESIDENT = 7
+
+
+def plan_under(budget, ratio=None, param_offload=True, state_offload=True):
+    return make_plan(PlanInputs(UNITS, param_offload, state_offload, ratio, budget, RESIDENT, WORKING, "test"))
+
+
+def tiers(plan):
+    return {u.name: (u.params.value, u.state.value) for u in plan.units}
+
+
+def test_no_budget_is_the_config_placement():
+    plan = plan_under(None)
+    assert all(u.params is Tier.HOST and u.state is Tier.HOST for u in plan.units)
+    assert plan.device_bytes == RESIDENT + WORKING and plan.host_bytes == 210 + 880
+    plan = plan_under(None, param_offload=False)
+    assert all(u.params is Tier.DEVICE for u in plan.units)
+    assert all(u.state is Tier.HOST for u in plan.units if u.name != "embed")  # frozen: no optimizer side
+
+
+def test_budget_for_the_fixed_part_only_places_nothing_on_the_device():
+    plan = plan_under(RESIDENT + WORKING)
+    assert all(u.params is Tier.HOST and u.state is Tier.HOST for u in plan.units)
+    assert plan.device_bytes == RESIDENT + WORKING == plan.budget
+
+
+def test_budget_that_fits_everything_keeps_everything_on_the_device():
+    everything = RESIDENT + WORKING + 210 + 880
+    plan = plan_under(everything)
+    assert all(u.params is Tier.DEVICE and u.state is Tier.DEVICE for u in plan.units)
+    assert plan.device_bytes == everything and plan.host_bytes == 0
+
+
+def test_part_budget_places_frozen_shards_then_shards_then_state_in_forward_order():
+    # 100 left after the fixed part: only the frozen embedding's shard fits first.
+    assert tiers(plan_under(RESIDENT + WORKING + 100)) == {
+        "embed": ("device", "device"), "block0": ("host", "host"), "block1": ("host", "host"),
+        "head": ("host", "host")}
+    # 210 + 400: every shard, then block0's optimizer side; block1's (400) no longer fits,
+    # the head's (80) does not either with 0 left.
+    plan = plan_under(RESIDENT + WORKING + 210 + 400)
+    assert tiers(plan) == {"embed": ("device", "device"), "block0": ("device", "device"),
+                           "block1": ("device", "host"), "head": ("device", "host")}
+    assert plan.device_bytes == RESIDENT + WORKING + 610 <= plan.budget
+    # 80 more: the head's optimizer side fits after block1's was passed over.
+    assert tiers(plan_under(RESIDENT + WORKING + 210 + 480))["head"] == ("device", "device")
+
+
+def test_device_bytes_never_exceed_the_budget():
+    for budget in range(RESIDENT + WORKING, RESIDENT + WORKING + 1100, 7):
+        plan = plan_under(budget)
+        assert plan.device_bytes <= budget
+        assert plan.device_bytes + plan.host_bytes == RESIDENT + WORKING + 1090
+
+
+def test_ratio_keeps_deepspeeds_first_sub_groups_on_the_device():
+    # Three trainable units: ratio 0.5 keeps int(0.5 * 3) = 1 on the device, the first.
+    plan = plan_under(None, ratio=0.5)
+    assert [u.state.value for u in plan.units if u.name != "embed"] == ["device", "host", "host"]
+    assert [u.state.value for u in plan_under(None, ratio=0.0).units if u.name != "embed"] == ["device"] * 3
+    assert [u.state.value for u in plan_under(None, ratio=1.0).units if u.name != "embed"] == ["host"] * 3
+    # With a budget, the ratio still decides the optimizer side; shards fill what is left.
+    plan = plan_under(RESIDENT + WORKING + 400 + 100, ratio=0.6)  # int(0.4 * 3) = 1 unit's state
+    assert tiers(plan)["block0"][1] == "device" and tiers(plan)["embed"] == ("device", "device")
+
+
+def test_budget_too_small_names_the_largest_unit_its_size_and_the_budget():
+    with pytest.raises(PlacementError) as info:
+        plan_under(WORKING)  # less than the working set and the resident parameters
+    message = str(info.value)
+    assert "'embed'" in message and "gathered" in message and "budget" in message
+    assert "placement.gpu_budget" in message  # the fix
+    # The ratio's device states must fit too.
+    with pytest.raises(PlacementError, match="state the config keeps on the device"):
+        plan_under(RESIDENT + WORKING + 100, ratio=0.0)
+
+
+def test_config_reads_sizes_and_refuses_nonsense():
+    def parse(placement=None, ratio=None):
+        zero = {"stage": 3, "offload_optimizer": {"device": "cpu", **({} if ratio is None else {"ratio": ratio})}}
+        config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero}
+        if placement is not None:
+            config["placement"] = placement
+        return from_deepspeed(config, 1)
+
+    assert parse().placement.gpu_budget is None and parse().zero.offload_optimizer.ratio is None
+    assert parse({"gpu_budget": "40GiB"}).placement.gpu_budget == 40 << 30
+    assert parse({"gpu_budget": "38.5 GB"}).placement.gpu_budget == 38_500_000_000
+    assert parse({"gpu_budget": 1024, "activation_reserve": "2MiB"}).placement.activation_reserve == 2 << 20
+    assert parse(ratio=0.3).zero.offload_optimizer.ratio == 0.3
+    for bad in ({"gpu_budget": "lots"}, {"gpu_budget": -1}, {"budget": 1}):
+        with pytest.raises(ConfigError):
+            parse(bad)
+    with pytest.raises(ConfigError, match="between 0 and 1"):
+        parse(ratio=1.5)
+
+
+def test_widening_brings_more_to_the_device_and_nothing_back():
+    from zero3.placement.plan import widened
+
+    first = plan_under(RESIDENT + WORKING + 210 + 400)  # block0's optimizer side on the device
+    inputs = PlanInputs(UNITS, True, True, None, RESIDENT + WORKING + 210 + 880, RESIDENT, WORKING, "more")
+    wider = widened(first, make_plan(inputs), inputs)
+    assert all(u.params is Tier.DEVICE and u.state is Tier.DEVICE for u in wider.units)
+    assert wider.device_bytes == RESIDENT + WORKING + 1090 and wider.host_bytes == 0
+    # A proposal that would put less on the device takes nothing away.
+    smaller = PlanInputs(UNITS, True, True, None, RESIDENT + WORKING, RESIDENT, WORKING, "less")
+    assert tiers(widened(first, make_plan(smaller), smaller)) == tiers(first)

@@ -1,0 +1,275 @@
+"""The engine's placement: the plan made from its real units, and the pieces moved to it.
+
+At initialize (`plan_placement`): each fetch unit's sizes on this rank (its parameter
+shards; its gradient shards, masters and optimizer state from the client optimizer's
+kind), the working set, the budget (zero3/placement/budget.py) -> a `Plan`
+(zero3/placement/plan.py) -> a `Placement` every owner reads. `settle_parameters` then
+puts each parameter shard on its tier and leaves each parameter sharded, resident or
+aliased. Under a measured budget, `MeasuredPlacement` watches the first accumulation
+window and, at its boundary, makes the plan once and moves what now fits onto the device
+(`move_to_plan`): shards by their ShardedParams, masters and optimizer state by the
+sharded optimizer, the host gradient buffer by the gradient sink. Nothing is moved again.
+
+Ownership: the tensors stay their owners'; this module only tells them where to go.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from zero3.config import OffloadConfig, Zero3Config
+from zero3.grads.sink import GradSink
+from zero3.optim.masters import ShardedOptimizer
+from zero3.params.fetch_unit import FetchUnit
+from zero3.params.partition import ParamState, ShardedParam
+from zero3.params.wire import gather_rows
+from zero3.placement.budget import BudgetChoice, choose_budget, measured_budget
+from zero3.placement.devices import Placement
+from zero3.placement.plan import Plan, PlacementError, PlanInputs, Tier, UnitSize, make_plan, widened
+from zero3.placement.sizes import state_bytes_per_element, working_set_bytes
+from zero3.platform.collectives import Communicator
+
+logger = logging.getLogger("zero3")
+
+
+def optimizer_state_elements(optimizer: torch.optim.Optimizer | None) -> int:
+    """fp32 state tensors the client optimizer keeps per master element (an upper bound
+    of 2 for a kind not listed)."""
+    if optimizer is None:
+        return 0
+    group = optimizer.param_groups[0] if optimizer.param_groups else {}
+    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        return 3 if group.get("amsgrad") else 2
+    if isinstance(optimizer, torch.optim.SGD):
+        return 1 if group.get("momentum", 0) else 0
+    if isinstance(optimizer, torch.optim.Adagrad):
+        return 1
+    if isinstance(optimizer, torch.optim.RMSprop):
+        return 1 + bool(group.get("centered")) + bool(group.get("momentum", 0))
+    return 2
+
+
+@dataclass(frozen=True)
+class SizeRules:
+    """Bytes per element of each piece, from the config and the optimizer (placement/sizes.py)."""
+
+    width: int  # compute dtype
+    per_state_element: int  # gradient shard, master, optimizer state
+    reduce_width: int
+
+    @classmethod
+    def of(cls, config: Zero3Config, optimizer: torch.optim.Optimizer | None) -> "SizeRules":
+        width = torch.empty(0, dtype=config.precision.dtype).element_size()
+        reduce_width = torch.empty(0, dtype=config.precision.reduce_dtype).element_size()
+        return cls(width, state_bytes_per_element(width, optimizer_state_elements(optimizer)), reduce_width)
+
+
+def unit_sizes(units: list[FetchUnit], rules: SizeRules, trains: bool) -> tuple[UnitSize, ...]:
+    """Each unit's bytes on this rank, in unit order (module order)."""
+    sizes = []
+    for unit in units:
+        param_bytes = sum(sp.shard_numel * sp.param.element_size() for sp in unit.params)
+        state_bytes = sum(sp.shard_numel for sp in unit.params if sp.requires_grad) * rules.per_state_element \
+            if trains else 0
+        gathered = sum(sp.numel * sp.param.element_size() for sp in unit.params)
+        sizes.append(UnitSize(unit.name, param_bytes, state_bytes, gathered))
+    return tuple(sizes)
+
+
+def working_set(config: Zero3Config, table: dict, units: list[FetchUnit], rules: SizeRules) -> int:
+    """The working set of this engine's units (placement/sizes.py)."""
+    return working_set_bytes(
+        [sum(sp.numel for sp in u.params) for u in units],
+        sum(sp.numel for sp in table.values() if not sp.persistent), config.zero.max_live_parameters, rules.width,
+        sum(sp.padded_numel for sp in table.values() if sp.requires_grad), config.zero.reduce_bucket_size,
+        rules.reduce_width)
+
+
+def resident_bytes(table: dict) -> int:
+    return sum(sp.numel * sp.param.element_size() for sp in table.values() if sp.persistent)
+
+
+def plan_inputs(config: Zero3Config, table: dict, units: list[FetchUnit], optimizer: torch.optim.Optimizer | None,
+                choice: BudgetChoice) -> PlanInputs:
+    rules = SizeRules.of(config, optimizer)
+    zero = config.zero
+    return PlanInputs(
+        units=unit_sizes(units, rules, trains=optimizer is not None),
+        param_offload=zero.offload_param.enabled,
+        state_offload=zero.offload_optimizer.enabled,
+        ratio=zero.offload_optimizer.ratio,
+        budget=choice.budget,
+        resident_bytes=resident_bytes(table),
+        working_bytes=working_set(config, table, units, rules) if choice.charges_working_set else 0,
+        budget_source=choice.source,
+    )
+
+
+def plan_placement(config: Zero3Config, table: dict, units: list[FetchUnit], optimizer: torch.optim.Optimizer | None,
+                   device: torch.device) -> tuple[Placement, BudgetChoice]:
+    """The placement at initialize (the config's alone when the budget is measured later)."""
+    choice = choose_budget(config, device)
+    plan = make_plan(plan_inputs(config, table, units, optimizer, choice))
+    return placement_of(plan, units, device), choice
+
+
+def agreed_placement(config: Zero3Config, table: dict, units: list[FetchUnit],
+                     optimizer: torch.optim.Optimizer | None, device: torch.device,
+                     comm: Communicator) -> tuple[Placement, BudgetChoice]:
+    """`plan_placement` on every rank, its failure raised on every rank (an "auto" budget
+    differs between ranks, so one rank alone may not fit), the plan logged by rank 0.
+    Collective: one small all-gather."""
+    try:
+        placement, choice = plan_placement(config, table, units, optimizer, device)
+        error = None
+    except PlacementError as exc:
+        placement, choice, error = None, None, str(exc)
+    errors = [(rank, e) for rank, e in enumerate(comm.gather_objects(error)) if e is not None]
+    if errors:
+        rank, first = errors[0]
+        raise PlacementError(first if error == first else f"rank {rank}: {first}")
+    assert placement is not None and choice is not None
+    log_plan(placement.plan, comm.rank)
+    return placement, choice
+
+
+def placement_of(plan: Plan, units: list[FetchUnit], device: torch.device) -> Placement:
+    placement = Placement(device, plan)
+    for unit in units:
+        for sp in unit.params:
+            placement.assign(sp, plan.params_tier(unit.name), plan.state_tier(unit.name))
+    return placement
+
+
+def settle_parameters(table: dict[torch.nn.Parameter, ShardedParam], placement: Placement, comm: Communicator,
+                      offload: OffloadConfig) -> None:
+    """Each shard onto its tier; then, at world size 1 without collectives, a parameter whose
+    shard and optimizer side are both on the compute device is aliased to its shard
+    (resident for good, stepped in place); other non-persistent parameters are released and
+    persistent ones that arrived partitioned are gathered. Collective (those gathers)."""
+    device = placement.compute_device
+    for sp in table.values():
+        sp.move_shard(placement.param_device(sp), offload.enabled and offload.pin_memory)
+        alias = (not comm.active and sp.shard.device == sp.param.device
+                 and placement.state_tier(sp) is Tier.DEVICE and placement.params_tier(sp) is Tier.DEVICE)
+        if alias and sp.state is ParamState.SHARDED:
+            sp.begin_gather()
+            sp.finish_gather(gather_rows(comm, sp.shard, device))
+        if alias:
+            sp.alias_shard()
+        elif sp.state is ParamState.FULL and not sp.persistent:
+            sp.release()
+        elif sp.state is ParamState.SHARDED and sp.persistent:
+            sp.begin_gather()  # partitioned by zero3.Init, resident by the config
+            sp.finish_gather(gather_rows(comm, sp.shard, device))
+
+
+def log_plan(plan: Plan | None, rank: int) -> None:
+    if plan is not None and rank == 0:
+        logger.info("zero3: %s", plan.describe())
+
+
+# ------------------------------------------------------------- moving to a new plan
+@dataclass
+class PlacementOwners:
+    """Who holds the pieces the placement moves, and what a new plan is made from."""
+
+    config: Zero3Config
+    table: dict[torch.nn.Parameter, ShardedParam]
+    units: list[FetchUnit]
+    placement: Placement
+    optimizer: ShardedOptimizer | None
+    sink: GradSink
+    client_optimizer: torch.optim.Optimizer | None
+
+
+def move_to_plan(owners: PlacementOwners, plan: Plan) -> int:
+    """Every piece whose tier `plan` changes, moved there, between steps (no update in
+    flight, no gradient held); the placement then says `plan`. Returns the parameters moved."""
+    if owners.optimizer is not None:
+        owners.optimizer.wait()
+    placement, moved = owners.placement, 0
+    pin = owners.config.zero.offload_param.pin_memory
+    for unit in owners.units:
+        params, state = plan.params_tier(unit.name), plan.state_tier(unit.name)
+        for sp in unit.params:
+            if (placement.params_tier(sp), placement.state_tier(sp)) == (params, state):
+                continue
+            if owners.optimizer is not None and sp.requires_grad:
+                owners.optimizer.move_side(sp, placement.device_of(state))
+            if not sp.aliased:
+                sp.move_shard(placement.device_of(params), pin)
+            placement.assign(sp, params, state)
+            if owners.optimizer is not None and sp.requires_grad:
+                owners.optimizer.reshare(sp)
+            moved += 1
+    placement.plan = plan
+    owners.sink.placement_changed()
+    if owners.optimizer is not None:
+        owners.optimizer.placement_changed()
+    return moved
+
+
+class MeasuredPlacement:
+    """The "auto" budget with a measured activation reserve: the first accumulation
+    window runs under the config's placement with the device's peak recorded; at its
+    boundary the plan is made from what that window used, and what fits moves to the
+    device. The second window, under that plan, is measured too (its transients are the
+    placed run's own: fewer host copies than the first window's): where it leaves more room,
+    more pieces move to the device once more, none back (budget.py says how each budget is
+    computed). Does nothing in any other case."""
+
+    ROUNDS = 2
+
+    def __init__(self, owners: PlacementOwners, choice: BudgetChoice, rank: int) -> None:
+        self.owners = owners
+        self.rank = rank
+        measuring = choice.measure_first and owners.placement.compute_device.type == "cuda"
+        self.rounds_left = self.ROUNDS if measuring else 0
+        if measuring:
+            torch.cuda.reset_peak_memory_stats(owners.placement.compute_device)
+
+    @property
+    def pending(self) -> bool:
+        return self.rounds_left > 0
+
+    def after_boundary(self) -> None:
+        """Called after each optimizer step: the first two place the state."""
+        if not self.rounds_left:
+            return
+        self.rounds_left -= 1
+        device = self.owners.placement.compute_device
+        before = self.owners.placement.plan
+        state_on_device = before.device_bytes if before is not None else 0
+        budget, source = measured_budget(device, torch.cuda.max_memory_allocated(device), state_on_device)
+        if self.rounds_left == self.ROUNDS - 1:
+            self.place_under(budget, source, charges_working_set=False)  # the peak held the working set
+        elif before is not None and before.budget is not None and budget > before.budget:
+            self._widen(before, budget, source + " (second window)")
+        torch.cuda.reset_peak_memory_stats(device)
+
+    def _widen(self, current: Plan, budget: int, source: str) -> None:
+        """More on the device under the larger `budget`, nothing back to the host; kept as
+        it is when the union would not fit."""
+        owners = self.owners
+        inputs = plan_inputs(owners.config, owners.table, owners.units, owners.client_optimizer,
+                             BudgetChoice(budget, False, False, source))
+        plan = widened(current, make_plan(inputs), inputs)
+        if plan.device_bytes <= budget and plan.counts() != current.counts():
+            moved = move_to_plan(owners, plan)
+            if self.rank == 0:
+                logger.info("zero3: %s (%d parameters moved)", plan.describe(), moved)
+
+    def place_under(self, budget: int, source: str, charges_working_set: bool = True) -> Plan:
+        """A plan under `budget`, and the pieces moved to it. Raises PlacementError, moving
+        nothing, when it cannot hold what must be on the device."""
+        owners = self.owners
+        choice = BudgetChoice(budget, False, charges_working_set, source)
+        plan = make_plan(plan_inputs(owners.config, owners.table, owners.units, owners.client_optimizer, choice))
+        moved = move_to_plan(owners, plan)
+        if self.rank == 0:
+            logger.info("zero3: %s (%d parameters moved)", plan.describe(), moved)
+        return plan

@@ -1,0 +1,33 @@
+"""Moving one parameter's optimizer side (its fp32 master and optimizer state) between the
+device and the host, when the placement changes between steps.
+
+The master keeps its identity (`master.data` is replaced): the client optimizer's param
+groups and its `state` dict are keyed by it, and shadow optimizers hold it. A master that
+is the parameter shard itself (fp32 compute) moves with it; the shard's owner then finds it
+already there. The state's tensors follow, except a `step` counter that torch keeps on the
+CPU for an implementation that is neither fused nor capturable.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def move_master(master: torch.Tensor, state: dict[str, Any], group: dict[str, Any], device: torch.device,
+                pin_memory: bool) -> None:
+    """`master` and its `state` to `device` (pinned on the host when `pin_memory` and CUDA
+    is there); `group` is the client param group it belongs to."""
+    if master.device == device:
+        return
+    old = master.device
+    with torch.no_grad():
+        moved = master.detach().to(device, copy=True)
+        if pin_memory and device.type == "cpu" and torch.cuda.is_available():
+            moved = moved.pin_memory()
+        master.data = moved
+    step_follows = bool(group.get("fused") or group.get("capturable"))
+    for key, value in list(state.items()):
+        if isinstance(value, torch.Tensor) and value.device == old and (key != "step" or step_follows):
+            state[key] = value.to(device)

@@ -1,0 +1,65 @@
+"""Where each managed parameter's two pieces live now: a tier, and so a device.
+
+`Placement` maps every ShardedParam (by identity) to the tier of its parameter shard and
+the tier of its optimizer side (gradient shard, master, optimizer state); a tier's device is
+the compute device (DEVICE) or the CPU (HOST). On a CPU run both tiers are the same memory,
+but the tiers still decide where each piece steps (on the device tier in `step()`, on the
+host tier behind the next forward), so the plan's logic runs there too.
+
+The engine fills it from a `Plan` (engine_parts/placement.py) and changes it only between
+steps, when it moves the pieces; the gradient sink, the sharded optimizer and the
+checkpoint loader read it. It holds no tensors and no references to the parameters.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from zero3.placement.plan import Plan, Tier
+
+HOST = torch.device("cpu")
+
+
+class Placement:
+    """Parameter-shard and optimizer-side tiers of each parameter, keyed by identity.
+    A parameter it does not know (one attached after initialize) is on the device tier."""
+
+    def __init__(self, compute_device: torch.device, plan: Plan | None = None) -> None:
+        self.compute_device = compute_device
+        self.plan = plan
+        self._params: dict[int, Tier] = {}
+        self._states: dict[int, Tier] = {}
+
+    def device_of(self, tier: Tier) -> torch.device:
+        return self.compute_device if tier is Tier.DEVICE else HOST
+
+    def assign(self, sp: Any, params: Tier, state: Tier) -> None:
+        self._params[id(sp)] = params
+        self._states[id(sp)] = state
+
+    def params_tier(self, sp: Any) -> Tier:
+        return self._params.get(id(sp), Tier.DEVICE)
+
+    def state_tier(self, sp: Any) -> Tier:
+        return self._states.get(id(sp), Tier.DEVICE)
+
+    def param_device(self, sp: Any) -> torch.device:
+        return self.device_of(self.params_tier(sp))
+
+    def state_device(self, sp: Any) -> torch.device:
+        """Where `sp`'s gradient shard, master and optimizer state live."""
+        return self.device_of(self.state_tier(sp))
+
+    @property
+    def any_state_on_host(self) -> bool:
+        return any(tier is Tier.HOST for tier in self._states.values())
+
+
+def uniform(compute_device: torch.device, params: list[Any], param_tier: Tier, state_tier: Tier) -> Placement:
+    """Every parameter's pieces on one tier each (no plan)."""
+    placement = Placement(compute_device)
+    for sp in params:
+        placement.assign(sp, param_tier, state_tier)
+    return placement

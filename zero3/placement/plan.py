@@ -1,0 +1,226 @@
+"""The placement planner: per fetch unit, device or host, under a byte budget.
+
+A unit's state comes in two pieces, placed separately:
+- its *parameter shards* (this rank's slice of every parameter the unit owns, in the compute
+  dtype): read by every forward and backward gather;
+- its *optimizer side* (fp32 gradient shards, fp32 masters unless the master is the shard
+  itself, and the optimizer state): touched once per optimizer step.
+
+Rules, in this order:
+1. What the config does not offload is on the device (`offload_param.device: "none"` puts
+   every parameter shard there; `offload_optimizer.device: "none"` every optimizer side).
+2. Without a budget, what the config offloads is on the host, except the optimizer sides
+   that DeepSpeed's `offload_optimizer.ratio` keeps on the device: of the units holding
+   trainable parameters, in module order, the first `int((1 - ratio) * n)` (DeepSpeed keeps its
+   first sub-groups on the accelerator and offloads the last ones).
+3. With a budget, the fixed part (what rule 1 pins to the device, the resident parameters
+   held whole, the working set of gathered units and gradient buckets) must fit it, else
+   `PlacementError` names the largest unit, its size and the budget. Then, while bytes are
+   left, parameter shards come to the device first, frozen units before trainable ones
+   (a frozen unit costs its shard only and is read on every micro-step), each group in
+   forward order; then optimizer sides, in forward order, of units whose parameter shards
+   are on the device (a unit stepped on the device needs its shard there to write the
+   update). A `ratio` given with a budget decides the optimizer sides by rule 2; the
+   budget then only checks that they fit.
+
+Invariant: `Plan.device_bytes <= Plan.budget` whenever a budget is given; `device_bytes`
+counts every tensor of the engine's own that the plan puts on the device, with the working
+set. What fits stays where the plan puts it: a plan changes only when the budget does
+(engine_parts/placement.py moves the pieces then, at a step boundary).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+GIB = 1 << 30
+
+
+class Tier(str, enum.Enum):
+    DEVICE = "device"
+    HOST = "host"
+
+
+class PlacementError(ValueError):
+    """The budget cannot hold what must be on the device."""
+
+
+@dataclass(frozen=True)
+class UnitSize:
+    """One fetch unit's bytes on this rank.
+
+    `param_bytes`: its parameter shards (compute dtype). `state_bytes`: its optimizer side
+    (0 for a frozen unit). `gathered_bytes`: its parameters gathered whole, while it runs."""
+
+    name: str
+    param_bytes: int
+    state_bytes: int
+    gathered_bytes: int
+
+    @property
+    def frozen(self) -> bool:
+        return self.state_bytes == 0
+
+
+@dataclass(frozen=True)
+class UnitPlacement:
+    name: str
+    params: Tier
+    state: Tier
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """What the planner decides from (all bytes are this rank's).
+
+    `units` in forward order (module order before the first forward). `param_offload` /
+    `state_offload`: the config offloads that piece (offload_param / offload_optimizer on
+    the CPU). `ratio`: DeepSpeed's offload_optimizer.ratio when the config gives one.
+    `budget`: the device bytes the engine's own tensors may hold, or None (no budget).
+    `resident_bytes`: parameters held whole on every rank between steps (always on the
+    device). `working_bytes`: gathered units and gradient buckets in flight."""
+
+    units: tuple[UnitSize, ...]
+    param_offload: bool
+    state_offload: bool
+    ratio: float | None = None
+    budget: int | None = None
+    resident_bytes: int = 0
+    working_bytes: int = 0
+    budget_source: str = ""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Each unit's tiers and the bytes they add up to."""
+
+    units: tuple[UnitPlacement, ...]
+    budget: int | None
+    device_bytes: int
+    host_bytes: int
+    fixed_bytes: int
+    budget_source: str = ""
+    by_name: dict[str, UnitPlacement] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.by_name.update({u.name: u for u in self.units})
+
+    def params_tier(self, unit: str) -> Tier:
+        return self.by_name[unit].params
+
+    def state_tier(self, unit: str) -> Tier:
+        return self.by_name[unit].state
+
+    def counts(self) -> dict[str, int]:
+        """How many units have each piece on the device."""
+        return {"units": len(self.units),
+                "params_on_device": sum(u.params is Tier.DEVICE for u in self.units),
+                "state_on_device": sum(u.state is Tier.DEVICE for u in self.units)}
+
+    def describe(self) -> str:
+        """One line: the budget, what sits where, the predicted bytes."""
+        c = self.counts()
+        budget = "no budget" if self.budget is None else f"budget {self.budget / GIB:.2f} GiB ({self.budget_source})"
+        return (f"placement: {budget}; parameter shards of {c['params_on_device']}/{c['units']} units and "
+                f"optimizer state of {c['state_on_device']}/{c['units']} units on the device; predicted "
+                f"device {self.device_bytes / GIB:.2f} GiB (fixed {self.fixed_bytes / GIB:.2f} GiB), "
+                f"host {self.host_bytes / GIB:.2f} GiB")
+
+
+def make_plan(inputs: PlanInputs) -> Plan:
+    """The placement under `inputs` (the rules in the module docstring)."""
+    units = inputs.units
+    params = {u.name: Tier.HOST if inputs.param_offload else Tier.DEVICE for u in units}
+    state = {u.name: Tier.HOST if inputs.state_offload else Tier.DEVICE for u in units}
+    if inputs.state_offload and inputs.ratio is not None:
+        state.update(_ratio_tiers(units, inputs.ratio))
+    fixed = _fixed_bytes(inputs, params, state)
+    if inputs.budget is not None:
+        _check_fixed_fits(inputs, fixed)
+        left = inputs.budget - fixed
+        if inputs.param_offload:
+            left = _fill_params(units, params, left)
+        if inputs.state_offload and inputs.ratio is None:
+            _fill_states(units, params, state, left)
+    for unit in units:
+        if unit.frozen:  # no optimizer side: say it is where the shard is
+            state[unit.name] = params[unit.name]
+    placed = tuple(UnitPlacement(u.name, params[u.name], state[u.name]) for u in units)
+    device = inputs.resident_bytes + inputs.working_bytes + _bytes_on(units, params, state, Tier.DEVICE)
+    host = _bytes_on(units, params, state, Tier.HOST)
+    return Plan(placed, inputs.budget, device, host, fixed, inputs.budget_source)
+
+
+def widened(current: Plan, proposed: Plan, inputs: PlanInputs) -> Plan:
+    """`current` with every piece `proposed` puts on the device brought there too, and
+    nothing taken off it (what sits on the device never moves back); bytes recounted, under
+    `inputs.budget` as its budget."""
+    params = {u.name: Tier.DEVICE if Tier.DEVICE in (u.params, proposed.params_tier(u.name)) else Tier.HOST
+              for u in current.units}
+    state = {u.name: Tier.DEVICE if Tier.DEVICE in (u.state, proposed.state_tier(u.name)) else Tier.HOST
+             for u in current.units}
+    units = inputs.units
+    placed = tuple(UnitPlacement(u.name, params[u.name], state[u.name]) for u in units)
+    device = inputs.resident_bytes + inputs.working_bytes + _bytes_on(units, params, state, Tier.DEVICE)
+    return Plan(placed, inputs.budget, device, _bytes_on(units, params, state, Tier.HOST),
+                current.fixed_bytes, inputs.budget_source)
+
+
+def _ratio_tiers(units: tuple[UnitSize, ...], ratio: float) -> dict[str, Tier]:
+    """DeepSpeed's rule: of n trainable units the first int((1 - ratio) * n) on the device."""
+    trainable = [u for u in units if not u.frozen]
+    keep = int((1 - ratio) * len(trainable))
+    return {u.name: Tier.DEVICE if i < keep else Tier.HOST for i, u in enumerate(trainable)}
+
+
+def _fixed_bytes(inputs: PlanInputs, params: dict[str, Tier], state: dict[str, Tier]) -> int:
+    """Device bytes before the budget places anything: the resident parameters, the
+    working set, and every piece already on the device by the config (or the ratio)."""
+    return inputs.resident_bytes + inputs.working_bytes + _bytes_on(inputs.units, params, state, Tier.DEVICE)
+
+
+def _bytes_on(units: tuple[UnitSize, ...], params: dict[str, Tier], state: dict[str, Tier], tier: Tier) -> int:
+    return sum((u.param_bytes if params[u.name] is tier else 0) + (u.state_bytes if state[u.name] is tier else 0)
+               for u in units)
+
+
+def _check_fixed_fits(inputs: PlanInputs, fixed: int) -> None:
+    budget = inputs.budget
+    assert budget is not None
+    if fixed <= budget:
+        return
+    largest = max(inputs.units, key=lambda u: u.gathered_bytes, default=None)
+    unit = (f"the largest unit, {largest.name!r}, is {largest.gathered_bytes / GIB:.3f} GiB gathered"
+            if largest is not None else "the model has no units")
+    pinned = fixed - inputs.resident_bytes - inputs.working_bytes
+    raise PlacementError(
+        f"the GPU memory budget of {budget / GIB:.3f} GiB ({inputs.budget_source or 'given'}) cannot hold "
+        f"what must be on the device: {fixed / GIB:.3f} GiB = working set {inputs.working_bytes / GIB:.3f} GiB "
+        f"(gathered units and gradient buckets; {unit}) + resident parameters "
+        f"{inputs.resident_bytes / GIB:.3f} GiB + state the config keeps on the device {pinned / GIB:.3f} GiB. "
+        "Raise placement.gpu_budget, offload more (offload_param / offload_optimizer to \"cpu\", a higher "
+        "offload_optimizer.ratio), or lower stage3_max_live_parameters / reduce_bucket_size / "
+        "stage3_param_persistence_threshold")
+
+
+def _fill_params(units: tuple[UnitSize, ...], params: dict[str, Tier], left: int) -> int:
+    """Parameter shards onto the device while they fit: frozen units first, then the
+    others, each in forward order. Returns the bytes still free."""
+    for unit in [u for u in units if u.frozen] + [u for u in units if not u.frozen]:
+        if params[unit.name] is Tier.HOST and unit.param_bytes <= left:
+            params[unit.name] = Tier.DEVICE
+            left -= unit.param_bytes
+    return left
+
+
+def _fill_states(units: tuple[UnitSize, ...], params: dict[str, Tier], state: dict[str, Tier], left: int) -> int:
+    """Optimizer sides onto the device while they fit, in forward order, for units whose
+    parameter shards are there. Returns the bytes still free."""
+    for unit in units:
+        if unit.frozen or state[unit.name] is Tier.DEVICE or params[unit.name] is not Tier.DEVICE:
+            continue
+        if unit.state_bytes <= left:
+            state[unit.name] = Tier.DEVICE
+            left -= unit.state_bytes
+    return left
