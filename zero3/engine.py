@@ -137,14 +137,6 @@ class Engine(EngineSurface, nn.Module):
         self._destroyed = False
         diagnostics.report_config(config, self.comm.rank)
 
-    def set_gpu_budget(self, budget: int) -> None:
-        """Place the state anew under `budget` bytes of device memory, between steps: what
-        fits moves to the device, the rest to the host (engine_parts/placement.py). Raises
-        PlacementError, moving nothing, when the budget cannot hold what must be there."""
-        self._check_alive()
-        self._settle()
-        self.placement_watch.place_under(int(budget), "set_gpu_budget")
-
     def _build_views(self) -> None:
         """The typed views that checkpoints, exports, GatheredParameters, generation and
         the parameter accessors read (engine_parts/views.py, engine_parts/owner.py), over the parts built above."""
@@ -445,12 +437,6 @@ class Engine(EngineSurface, nn.Module):
         save = self.checkpointer.save if use_async else checkpoint_io.save
         return save(self._training_state(), save_dir, tag, client_state or {}, save_latest, exclude_frozen_parameters,
                     self.config.checkpoint_tag_validation, self.config.zero.gather_16bit_weights_on_model_save)
-
-    def prepare_async_checkpoint(self) -> int:
-        """Allocate now the host buffer of asynchronous saves (initialize does with checkpoint.async_save),
-        so the first one blocks no longer than later ones; its bytes (see AsyncCheckpointer.prepare)."""
-        self._check_alive()
-        return self.checkpointer.prepare(self._training_state())
 
     def wait_for_checkpoint(self) -> None:
         """Return once the last save is committed; raise its error (on every rank) if it failed."""

@@ -242,6 +242,21 @@ class EngineSurface:
         """Gathers the backward safety net had to make (zero on ordinary models)."""
         return self.fetcher.late_gathers
 
+    def set_gpu_budget(self, budget: int) -> None:
+        """zero3's: place the state anew under `budget` bytes of device memory, between
+        steps: what fits moves to the device, the rest to the host (engine_parts/placement.py).
+        Raises PlacementError, moving nothing, when the budget cannot hold what must be there."""
+        self._check_alive()
+        self._settle()
+        self.placement_watch.place_under(int(budget), "set_gpu_budget")
+
+    def prepare_async_checkpoint(self) -> int:
+        """zero3's: allocate now the host buffer of asynchronous saves (initialize does with
+        checkpoint.async_save), so the first one blocks no longer than later ones; its bytes
+        (see AsyncCheckpointer.prepare)."""
+        self._check_alive()
+        return self.checkpointer.prepare(self._training_state())
+
     def offload_states(self, include: Any = None, device: Any = "cpu", pin_memory: bool = True,
                        non_blocking: bool = False) -> None:
         """DeepSpeed's: the state kinds in `include` (OffloadStateTypeEnum values; all when

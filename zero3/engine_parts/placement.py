@@ -23,6 +23,7 @@ import torch
 from zero3.config import OffloadConfig, Zero3Config
 from zero3.grads.sink import GradSink
 from zero3.optim.masters import ShardedOptimizer
+from zero3.optim.state_moves import reshare
 from zero3.params.fetch_unit import FetchUnit
 from zero3.params.partition import ParamState, ShardedParam
 from zero3.params.wire import gather_rows
@@ -204,7 +205,7 @@ def move_to_plan(owners: PlacementOwners, plan: Plan) -> int:
                 sp.move_shard(placement.device_of(params), pin)
             placement.assign(sp, params, state)
             if owners.optimizer is not None and sp.requires_grad:
-                owners.optimizer.reshare(sp)
+                reshare(sp, owners.optimizer.master_of(sp))
             moved += 1
     placement.plan = plan
     owners.sink.placement_changed()

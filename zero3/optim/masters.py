@@ -483,15 +483,6 @@ class ShardedOptimizer:
             group = self.optimizer.param_groups[self._client_group_of[index]]
             move_master(master, self.optimizer.state.get(master, {}), group, device, self.pin_memory)
 
-    def reshare(self, sp: ShardedParam) -> None:
-        """An fp32 master next to its fp32 shard becomes the shard again (one copy)."""
-        master = self._master_by_param.get(id(sp))
-        if (master is not None and master is not sp.shard and not sp.aliased
-                and master.dtype == sp.shard.dtype == torch.float32 and master.device == sp.shard.device):
-            with torch.no_grad():
-                master.copy_(sp.shard)
-            sp.adopt_shard(master)
-
     def placement_changed(self) -> None:
         """Sub-groups are made anew from the placement's tiers."""
         self._shadows.clear()

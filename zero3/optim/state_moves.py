@@ -5,7 +5,8 @@ The master keeps its identity (`master.data` is replaced): the client optimizer'
 groups and its `state` dict are keyed by it, and shadow optimizers hold it. A master that
 is the parameter shard itself (fp32 compute) moves with it; the shard's owner then finds it
 already there. The state's tensors follow, except a `step` counter that torch keeps on the
-CPU for an implementation that is neither fused nor capturable.
+CPU for an implementation that is neither fused nor capturable. `reshare` makes an fp32 master
+the shard again once both sit on one device.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
+from zero3.params.partition import ShardedParam
 
 
 def move_master(master: torch.Tensor, state: dict[str, Any], group: dict[str, Any], device: torch.device,
@@ -31,3 +34,13 @@ def move_master(master: torch.Tensor, state: dict[str, Any], group: dict[str, An
     for key, value in list(state.items()):
         if isinstance(value, torch.Tensor) and value.device == old and (key != "step" or step_follows):
             state[key] = value.to(device)
+
+
+def reshare(sp: ShardedParam, master: torch.Tensor | None) -> None:
+    """An fp32 master next to its fp32 shard becomes the shard again (one copy, the
+    master's identity kept)."""
+    if (master is not None and master is not sp.shard and not sp.aliased
+            and master.dtype == sp.shard.dtype == torch.float32 and master.device == sp.shard.device):
+        with torch.no_grad():
+            master.copy_(sp.shard)
+        sp.adopt_shard(master)

@@ -56,10 +56,3 @@ class Placement:
     def any_state_on_host(self) -> bool:
         return any(tier is Tier.HOST for tier in self._states.values())
 
-
-def uniform(compute_device: torch.device, params: list[Any], param_tier: Tier, state_tier: Tier) -> Placement:
-    """Every parameter's pieces on one tier each (no plan)."""
-    placement = Placement(compute_device)
-    for sp in params:
-        placement.assign(sp, param_tier, state_tier)
-    return placement
