@@ -93,28 +93,24 @@ def resolve(common: dict, sub_group_size: int | None, optimizer: str | None) -> 
     """The export's target: the command's values where given, else the recorded config's."""
     config = common.get("ds_config")
     none_recorded = "the checkpoint records no config (saved by an older zero3)"
-    recorded_size = recorded_sub_group_size(config)
-    if sub_group_size is not None:
-        size, size_from = sub_group_size, "from --sub-group-size"
-    elif recorded_size is not None:
-        size, size_from = recorded_size, "from the checkpoint's config"
-    else:
-        size = DEEPSPEED_SUB_GROUP_SIZE
-        why = "the checkpoint's config gives no number" if config is not None else none_recorded
-        size_from = f"DeepSpeed's default: {why}"
+    why = "the checkpoint's config gives no number" if config is not None else none_recorded
+    size, size_from = _first_given((sub_group_size, "from --sub-group-size"),
+                                   (recorded_sub_group_size(config), "from the checkpoint's config"),
+                                   (DEEPSPEED_SUB_GROUP_SIZE, f"DeepSpeed's default: {why}"))
     if size < 1:
         raise ckpt.CheckpointError(f"sub_group_size {size} ({size_from}): it must be at least 1")
     if optimizer is not None and optimizer not in OPTIMIZERS:
         raise ckpt.CheckpointError(f"optimizer {optimizer!r}: pick one of {', '.join(OPTIMIZERS)}")
-    recorded = recorded_optimizer(config)
-    if optimizer is not None:
-        kind, kind_from = optimizer, "from --optimizer"
-    elif recorded is not None:
-        kind, kind_from = recorded, "from the checkpoint's config"
-    else:
-        kind, kind_from = "torch", f"a client optimizer assumed: {none_recorded}"
+    kind, kind_from = _first_given((optimizer, "from --optimizer"),
+                                   (recorded_optimizer(config), "from the checkpoint's config"),
+                                   ("torch", f"a client optimizer assumed: {none_recorded}"))
     params = ((config or {}).get("optimizer") or {}).get("params") or {}
     return ExportTarget(size, size_from, kind, kind_from, params.get("bias_correction", True) in _TRUE)
+
+
+def _first_given(*choices: tuple[Any, str]) -> tuple[Any, str]:
+    """The first (value, where it came from) whose value is not None (the last always is)."""
+    return next(choice for choice in choices if choice[0] is not None)
 
 
 def deepspeed_param_group(hyper: dict[str, Any], target: ExportTarget, group_id: int) -> dict[str, Any]:
