@@ -23,6 +23,15 @@ puts its optimizer side, one of two ways:
   never waits for it. Bounded: when more than `staging_bytes` are staged, the caller waits
   for the oldest add.
 
+- host, with an accumulator on the device (the placement grants one under a budget with
+  gradient accumulation, placement/plan.py): until the window's last backward
+  (`window_ends`, set by the engine before each forward) the slices are summed in an fp32
+  shard on the device, as for a device-side parameter; in the last backward the slice is
+  added there and the sum goes down as a window's first slice does (one fp32 copy, its
+  norm taken on the GPU), and the device shard is dropped. `ship_held()` sends down what
+  is still held (a window whose last backward was not announced) before the optimizer
+  reads the gradients.
+
 Invariant: `sp.grad_sq_norm`, when not None, is the squared L2 norm of `sp.grad_shard`
 (on the GPU); the host path sets it for a window's first slice and clears it on a second.
 Whoever drops a `grad_shard` drops it too.
@@ -69,6 +78,9 @@ class GradSink:
         self._staged_bytes = 0
         self._adder: ThreadPoolExecutor | None = None
         self.fence = fence
+        # Whether the backward under way ends the accumulation window (engine: before each
+        # forward). True unless told otherwise: gradients then go where their optimizer side is.
+        self.window_ends = True
 
     # ----------------------------------------------------------------- entry
     def deliver(self, sp: ShardedParam, piece: torch.Tensor) -> None:
@@ -88,7 +100,11 @@ class GradSink:
         for sp, piece in pairs:
             device = self.placement.state_device(sp)
             if device.type == "cpu" and piece.device.type == "cuda":
-                self._deliver_to_host(sp, piece)
+                if not self.window_ends and self.placement.accumulates_on_device(sp) and \
+                        (sp.grad_shard is None or sp.grad_shard.device.type == "cuda"):
+                    local.append((sp, piece))  # summed on the device until the window's last backward
+                else:
+                    self._deliver_to_host(sp, piece)
             else:
                 local.append((sp, piece.to(device)))
         if len({id(sp) for sp, _ in local}) < len(local):  # one parameter's gradient twice: in order
@@ -145,6 +161,16 @@ class GradSink:
             self._adder.shutdown(wait=True)
             self._adder = None
 
+    def ship_held(self) -> None:
+        """Send down every gradient still summed on the device for a host-side optimizer
+        (a window whose last backward was not announced), so the optimizer finds each
+        gradient where its optimizer side is. Then `finish()`."""
+        for sp in self.params:
+            held = sp.grad_shard
+            if held is not None and held.device.type == "cuda" and self.placement.state_device(sp).type == "cpu":
+                self._deliver_to_host(sp, held[:0])
+        self.finish()
+
     def placement_changed(self) -> None:
         """The placement moved some optimizer sides (between steps, no gradient held): the
         pinned buffer is dropped and made again, over the host-side parameters, at its
@@ -161,7 +187,12 @@ class GradSink:
     def _deliver_to_host(self, sp: ShardedParam, piece: torch.Tensor) -> None:
         """The first slice's squared norm is taken on the GPU on its way down
         (`sp.grad_sq_norm`): a norm over gigabytes of host gradients costs more than
-        the CPU optimizer step."""
+        the CPU optimizer step. A sum held on the device (`window_ends` came) takes `piece`
+        and goes down in its place, as the window's first slice."""
+        held = sp.grad_shard
+        if held is not None and held.device.type == "cuda":
+            held[: piece.numel()].add_(piece)
+            sp.grad_shard, piece = None, held
         first = sp.grad_shard is None
         source = piece.float() if first and piece.dtype != torch.float32 else piece
         if first:
