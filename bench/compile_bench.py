@@ -15,7 +15,9 @@ block compiled (torchtitan's recipe), DeepSpeed's engine.compile() and zero3 eag
 Everything else (same seed and tokens for every peer, rounds alternating the peers, the
 slowest rank's step time, the table) is bench/cpu_bench.py's, whose arguments this script
 takes too. Peers:
-- plain_compiled: the whole model `torch.compile`d (one process, no sharding);
+- plain_compiled: the whole model `torch.compile`d (one process, no sharding), a bf16 model
+  with bf16 AdamW state under --dtype bf16 (the ceiling: half the arithmetic's bytes);
+- plain_autocast_compiled: the same, an fp32 model under bf16 autocast (zero3's arithmetic);
 - fsdp2_compiled: each block `block.compile()` then `fully_shard` per block and the root;
 - deepspeed_compiled: DeepSpeed ZeRO-3 and its `engine.compile()`;
 - zero3_compiled: zero3 and its `engine.compile()` (each fetch unit's forward compiled);
@@ -81,6 +83,24 @@ def build_plain_compiled(ctx):
     return Peer(_train_step(model, opt))
 
 
+def build_plain_autocast_compiled(ctx):
+    """Plain PyTorch doing zero3's default arithmetic, compiled: an fp32 model (fp32 weights,
+    gradients and AdamW state) whose compiled forward runs under bf16 autocast."""
+    import torch
+    from models import build_model
+    if ctx.world > 1:
+        raise RuntimeError("plain_autocast_compiled runs at world size 1 only")
+    model = build_model(ctx.args).to(ctx.device)
+    model.compile(backend=COMPILE["backend"], **_compile_kwargs())
+    opt = _adamw([p for p in model.parameters() if p.requires_grad], ctx)
+    train = _train_step(model, opt)
+
+    def step(tokens):
+        with torch.autocast(ctx.device.type, dtype=torch.bfloat16, enabled=ctx.args.dtype == "bf16"):
+            return train(tokens)
+    return Peer(step)
+
+
 def build_fsdp2_compiled(ctx):
     """torchtitan's recipe: each block compiled in place, then sharded per block and at the root."""
     from models import build_model
@@ -115,10 +135,11 @@ def build_zero3_compiled(ctx):
     return _engine_peer(engine, stats_fn=engine.comm_stats)
 
 
-PEERS = {"plain_compiled": build_plain_compiled, "fsdp2_compiled": build_fsdp2_compiled,
+PEERS = {"plain_compiled": build_plain_compiled, "plain_autocast_compiled": build_plain_autocast_compiled,
+         "fsdp2_compiled": build_fsdp2_compiled,
          "deepspeed_compiled": build_deepspeed_compiled, "zero3_compiled": build_zero3_compiled,
          "zero3": build_zero3}
-DEFAULT_PEERS = "plain_compiled,fsdp2_compiled,deepspeed_compiled,zero3_compiled,zero3"
+DEFAULT_PEERS = "plain_compiled,plain_autocast_compiled,fsdp2_compiled,deepspeed_compiled,zero3_compiled,zero3"
 
 
 def summary(results: dict, tokens_per_step: int) -> None:

@@ -418,8 +418,29 @@ def build_zero3(ctx):
     return peer
 
 
-BUILDERS = {"plain": build_plain, "ddp": build_plain, "fsdp2": build_fsdp2,
-            "deepspeed": build_deepspeed, "zero3": build_zero3}
+def build_plain_autocast(ctx):
+    """Plain PyTorch doing zero3's default arithmetic: an fp32 model (fp32 weights, gradients
+    and AdamW state) whose forward runs under bf16 autocast. World size 1 only."""
+    import torch
+    from models import build_model
+    if ctx.world > 1:
+        raise RuntimeError("plain_autocast runs at world size 1 only")
+    model = build_model(ctx.args).to(ctx.device)
+    opt = _adamw(model.parameters(), ctx)
+
+    def step(tokens):
+        with torch.autocast(ctx.device.type, dtype=torch.bfloat16, enabled=ctx.args.dtype == "bf16"):
+            loss = model(tokens)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    return Peer(step)
+
+
+BUILDERS = {"plain": build_plain, "ddp": build_plain, "plain_autocast": build_plain_autocast,
+            "fsdp2": build_fsdp2, "deepspeed": build_deepspeed, "zero3": build_zero3}
 
 
 # --------------------------------------------------------------------------------------

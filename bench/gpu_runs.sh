@@ -58,6 +58,6 @@ if [[ $stage == *compile_7b_lora* ]]; then
     (cd bench && timeout ${LORA_TIMEOUT:-540} torchrun --standalone --nproc_per_node=1 compile_bench.py --device cuda \
         --dtype bf16 --model llama --width 4096 --layers 32 --intermediate 11008 --heads 32 --vocab 32000 --seq 2048 \
         --micro-batch 1 --steps 4 --warmup 3 --rounds 1 --lora 16 --build-on device \
-        --peers ${LORA_PEERS:-plain_compiled,fsdp2_compiled,zero3_compiled,zero3} \
+        --peers ${LORA_PEERS:-plain_compiled,plain_autocast_compiled,zero3_compiled,fsdp2_compiled,zero3} \
         2>&1 | grep -v "Warning\|warn(" | tee "$out/compile_7b_lora.log" | tail -14)
 fi
