@@ -46,7 +46,6 @@ from zero3.engine_parts import build, diagnostics, generation
 from zero3.engine_parts import placement as placement_parts
 from zero3.engine_parts.build import EngineError, EngineUsageError
 from zero3.engine_parts.counters import StepCounters
-from zero3.engine_parts.deepspeed_adopt import adopt_deepspeed_partitions
 from zero3.engine_parts.owner import ParamOwner, register, unregister
 from zero3.engine_parts.state_offload import StateOffload
 from zero3.engine_parts.rank_agreement import check_ranks_agree, config_items, model_items, optimizer_items
@@ -104,8 +103,6 @@ class Engine(EngineSurface, nn.Module):
             check_ranks_agree(self.comm, self.device, {
                 **config_items(config), **optimizer_items(optimizer), **model_items(model)})
         self._gc_disabled_here = diagnostics.apply_process_settings(config)
-        if isinstance(model, nn.Module):  # DeepSpeed's zero.Init partitions become zero3.Init's
-            adopt_deepspeed_partitions(model, self.comm)
         init_shards = build.prepare_module(model, self.device, self.compute_dtype, self.comm)
         self.module = model
         self.named_params = list(self.module.named_parameters())

@@ -1,6 +1,6 @@
 """The engine's parts above the core, built and wired by `build.py` for `zero3/engine.py`.
 
-- `build.py`: construction, in order: device, shards, units, optimizer, reducer, fetcher;
+- `build.py`: construction (its error classes in `errors.py`), in order: device, shards, units, optimizer, reducer, fetcher;
 - `engine_parts/views.py`: typed, read-only views of the engine's collaborators (`ShardedModel`,
   `OptimizerAccess`, `ShardedTraining`) that checkpoints, exports, gathering and
   generation take instead of the engine;

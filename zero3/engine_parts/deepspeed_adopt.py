@@ -9,8 +9,8 @@ partition, `ds_status`, `ds_id`, `ds_process_group`, bound methods `all_gather`,
 names are read-only properties of a class (params/status.py), so an entry in the
 parameter's `__dict__` is DeepSpeed's mark.
 
-`adopt_deepspeed_partitions(model, comm)`, called at initialize before the model is
-prepared, turns every such parameter into one partitioned by `zero3.Init`:
+`adopt_deepspeed_partitions(model, comm)`, called first by build.prepare_module at
+initialize, turns every such parameter into one partitioned by `zero3.Init`:
 
 1. Every rank states what would stop the adoption (DeepSpeed not importable, a partition
    over another number of ranks than the engine's, a DeepSpeed engine already managing
@@ -45,7 +45,7 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from zero3.engine_parts.build import EngineError
+from zero3.engine_parts.errors import EngineError
 from zero3.params.init_shards import InitShard, record_init_shard
 from zero3.params.released import release_storage
 from zero3.params.shard_layout import owned_range, shard_numel_for
@@ -99,7 +99,7 @@ def adopt_deepspeed_partitions(model: nn.Module, comm: Communicator) -> int:
     if comm.rank == 0:
         logger.info(
             "zero3: adopted %d parameters (%d elements) that DeepSpeed's zero.Init had partitioned: gathered "
-            "through DeepSpeed's GatheredParameters in %d units and sharded zero3's way; DeepSpeed's attributes "
+            "through DeepSpeed's GatheredParameters in %d gathers and sharded zero3's way; DeepSpeed's attributes "
             "removed%s. To skip this step, build the model under zero3.zero.Init", len(found),
             sum(_full_numel(p) for _, p in found), len(chunks),
             " and torch.nn.functional.linear restored" if linear_restored else "")
@@ -123,7 +123,7 @@ def _problem_on_this_rank(model: nn.Module, found: list[tuple[str, nn.Parameter]
     managed = next((n for n, m in model.named_modules() if "ds_id" in vars(m)), None)
     if managed is not None:
         return (f"{what}, and a DeepSpeed engine already manages it (module {managed or '<root>'!r} carries its "
-                "hooks); build the model afresh for zero3.initialize; " + _FIX), None
+                "hooks); one model cannot be given to both engines: " + _FIX), None
     sizes = sorted({int(vars(p).get("ds_zero_partition_world_size", comm.world_size)) for _, p in found})
     if sizes != [comm.world_size]:
         return (f"{what} over a process group of {' and '.join(map(str, sizes))} ranks, but this engine shards "
