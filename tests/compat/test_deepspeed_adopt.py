@@ -119,3 +119,21 @@ def test_deepspeed_partitions_are_refused_on_every_rank_where_they_cannot_be_ado
         assert text.startswith("RankMismatchError") and "param empty" in text, text
         assert "rank 1: shape=(0,) dtype=float32 requires_grad=True partitioned by DeepSpeed's zero.Init" in text
         assert out["trains_after"] == 1
+
+
+def test_compression_helpers_reach_and_replace_a_submodule_by_its_path():
+    """`deepspeed.compression.helper`, as DeepSpeed-Chat's LoRA conversion uses it."""
+    from zero3.compression.helper import recursive_getattr, recursive_setattr
+
+    model = make_model()
+    assert recursive_getattr(model, "blocks.1.linear") is model.blocks[1].linear
+    replacement = torch.nn.Linear(24, 24)
+    recursive_setattr(model, "blocks.1.linear", replacement)
+    recursive_setattr(model, "head", torch.nn.Identity())
+    assert model.blocks[1].linear is replacement and isinstance(model.head, torch.nn.Identity)
+    try:
+        recursive_getattr(model, "blocks.1.missing")
+    except AttributeError as exc:
+        assert "missing" in str(exc)
+    else:
+        raise AssertionError("a path to nothing must raise AttributeError")

@@ -99,7 +99,7 @@ def adopt_deepspeed_partitions(model: nn.Module, comm: Communicator) -> int:
     if comm.rank == 0:
         logger.info(
             "zero3: adopted %d parameters (%d elements) that DeepSpeed's zero.Init had partitioned: gathered "
-            "through DeepSpeed's GatheredParameters in %d gathers and sharded zero3's way; DeepSpeed's attributes "
+            "through DeepSpeed's GatheredParameters (%d calls) and sharded zero3's way; DeepSpeed's attributes "
             "removed%s. To skip this step, build the model under zero3.zero.Init", len(found),
             sum(_full_numel(p) for _, p in found), len(chunks),
             " and torch.nn.functional.linear restored" if linear_restored else "")
