@@ -20,7 +20,8 @@ and answers in the `local/jsonfile` dataset the script reads from `DeepSpeed-Cha
         -m torch.distributed.run --standalone --nproc_per_node=2 \\
         tests/deepspeed_compare/dschat_step1.py run --work WORK --engine zero3   # or deepspeed
 
-EXAMPLES is a checkout of DeepSpeedExamples. `run` prints the script's own output (its losses
+EXAMPLES is a checkout of DeepSpeedExamples. More arguments for main.py follow `--` (for
+example `-- --gradient_checkpointing --lora_dim 8 --lora_module_name layers. --only_optimize_lora`). `run` prints the script's own output (its losses
 with --print_loss, its perplexity before and after the epoch) and saves the model as the
 script does (`save_hf_format`, `save_zero_three_model`) under WORK/<engine>/output.
 """
