@@ -2,7 +2,7 @@
 # The GPU runs of the compile, asynchronous-save and sharded-Hugging-Face work, in stages
 # (each stage's log under $OUT). DeepSpeed 0.19.8 (built with DS_BUILD_OPS=0) and what it
 # lacks come from wheels in build/wheels; the Hugging Face extras from .whl.
-#   STAGE=hf,async,ds_compile_1b,compile_7b_lora,state_offload
+#   STAGE=hf,hf_w1,async,ds_compile_1b,compile_7b_lora,state_offload
 # Each of async and compile_7b_lora may take most of a 10-minute device call: run them in
 # calls of their own (STAGE=hf with tests/gpu/sharded_tier.sh STAGE=train fits in one).
 set -u
@@ -16,7 +16,16 @@ source bench/carried_wheels.sh
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 stage=${STAGE:-hf,async,ds_compile_1b}
 llama_1b="--model llama --width 2048 --layers 16 --intermediate 5632 --heads 16 --vocab 32000 --seq 2048"
-if [[ $stage == *hf* ]]; then
+if [[ $stage == *hf_w1* ]]; then
+    # World size 1 on NCCL: Accelerate's gathers refuse CUDA tensors on gloo. The sharded
+    # collectives still run (ZERO3_COLLECTIVES_AT_WORLD_SIZE_1=1); the DeepSpeed-written Trainer
+    # checkpoint (2 ranks) resumes with twice the micro-batch, the same samples a step.
+    ZERO3_TEST_DEVICE=cuda ZERO3_TEST_BACKEND=nccl ZERO3_TEST_WORLD_SIZE=1 ZERO3_COLLECTIVES_AT_WORLD_SIZE_1=1 \
+        HF_HUB_OFFLINE=1 timeout ${HF_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -rs \
+        tests/hf/test_hf_trainer.py tests/hf/test_hf_deepspeed_resume.py > "$out/hf_cuda_w1_nccl.log" 2>&1
+    echo "== hf on CUDA, world size 1 on NCCL with the collectives on (exit $?)"; tail -6 "$out/hf_cuda_w1_nccl.log"
+fi
+if [[ $stage == *hf,* || $stage == hf || $stage == *,hf ]]; then
     ZERO3_TEST_DEVICE=cuda ZERO3_TEST_BACKEND=gloo HF_HUB_OFFLINE=1 timeout ${HF_TIMEOUT:-200} \
         python3 -m pytest -q -p no:cacheprovider tests/hf/test_hf_trainer.py tests/hf/test_hf_deepspeed_resume.py \
         "tests/checkpoint/test_deepspeed_import.py::test_load_every_fixture[2]" \

@@ -22,7 +22,8 @@ A case is `kind:micro_batch`:
   arithmetic).
 Every case builds a Llama (transformers' LlamaForCausalLM, random weights) on the GPU from the
 same seed, trains on the same random tokens (decoder layers as zero3 leaf units, the config's
-AdamW), and reports the median step, tokens/s, model TFLOPS (6 * params * tokens), the peak
+AdamW), `--ga N` accumulates N micro-batches per optimizer step (a step's time covers all N),
+and reports the median step, tokens/s, model TFLOPS (6 * params * tokens), the peak
 of allocated GPU memory after the warm-up steps, the host's resident memory, zero3's placement
 line, and the first losses (so that the runs can be compared: the GPU and CPU AdamW kernels
 round differently).
@@ -56,6 +57,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--ga", type=int, default=1, help="gradient accumulation: micro-steps per optimizer step")
     p.add_argument("--cases", default="resident:2,auto:2,auto:4")
     p.add_argument("--cap-gib", type=float, default=None, help="torch.cuda.set_per_process_memory_fraction")
     p.add_argument("--rows", default=None, help="append each case's result to this JSON-lines file")
@@ -92,7 +94,7 @@ def zero3_case(args, kind: str, micro: int):
     zero = {"stage": 3, "stage3_param_persistence_threshold": 0}
     config = {"train_micro_batch_size_per_gpu": micro, "gradient_clipping": 1.0, "bf16": {"enabled": True},
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "weight_decay": 0.0}}, "steps_per_print": None,
-              "zero_optimization": zero}
+              "zero_optimization": zero, "gradient_accumulation_steps": args.ga}
     if kind != "resident":
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
@@ -104,13 +106,14 @@ def zero3_case(args, kind: str, micro: int):
 
     calls = [0]
 
-    def step(tokens):
-        loss = engine(tokens)
-        phases = [("forward", _memory())]
-        engine.backward(loss)
-        phases.append(("backward", _memory()))
-        engine.step()
-        phases.append(("step", _memory()))
+    def step(batches):
+        for tokens in batches:  # the last micro-step's memory is shown: its step() is the optimizer's
+            loss = engine(tokens)
+            phases = [("forward", _memory())]
+            engine.backward(loss)
+            phases.append(("backward", _memory()))
+            engine.step()
+            phases.append(("step", _memory()))
         calls[0] += 1
         if calls[0] <= 3:
             print(f"  step {calls[0]}: " + ", ".join(f"after {name} {now:.2f} GiB (peak {peak:.2f})"
@@ -152,16 +155,18 @@ def deepspeed_case(args, kind: str, micro: int):
     if kind == "ds_super":
         offload_optimizer["super_offload"] = True
     config = {"train_micro_batch_size_per_gpu": micro, "gradient_clipping": 1.0, "bf16": {"enabled": True},
+              "gradient_accumulation_steps": args.ga,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "weight_decay": 0.0}}, "steps_per_print": 1000,
               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
                                     "offload_param": {"device": "cpu", "pin_memory": True},
                                     "offload_optimizer": offload_optimizer}}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
 
-    def step(tokens):
-        loss = engine(tokens)
-        engine.backward(loss)
-        engine.step()
+    def step(batches):
+        for tokens in batches:
+            loss = engine(tokens)
+            engine.backward(loss)
+            engine.step()
         return loss
 
     return step, lambda: f"DeepSpeed {deepspeed.__version__}, offload_optimizer {offload_optimizer}", lambda: None
@@ -173,10 +178,11 @@ def plain_case(args, kind: str, micro: int):
         model = model.to(torch.bfloat16)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0, fused=True)
 
-    def step(tokens):
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=kind == "plain_autocast"):
-            loss = loss_of(model, tokens)
-        loss.backward()
+    def step(batches):
+        for tokens in batches:
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=kind == "plain_autocast"):
+                loss = loss_of(model, tokens)
+            (loss / len(batches)).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -196,16 +202,16 @@ def run_case(args, kind: str, micro: int, params: int) -> dict:
         if i == args.warmup:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-        tokens = tokens_for(args, micro, i)
+        batches = [tokens_for(args, micro, i * args.ga + j) for j in range(args.ga)]
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        loss = step(tokens)
+        loss = step(batches)
         losses.append(float(loss.item()))
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     median = statistics.median(times[args.warmup:])
-    tokens = micro * args.seq
-    result = {"kind": kind, "micro": micro, "step_ms": median * 1e3, "tokens_s": tokens / median,
+    tokens = micro * args.seq * args.ga
+    result = {"kind": kind, "micro": micro, "ga": args.ga, "step_ms": median * 1e3, "tokens_s": tokens / median,
               "tflops": 6 * params * tokens / median / 1e12,
               "peak_gib": torch.cuda.max_memory_allocated() / (1 << 30),
               "host_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20),
@@ -220,12 +226,12 @@ def run_case(args, kind: str, micro: int, params: int) -> dict:
 def print_table(rows: list[dict]) -> None:
     """Each case against the resident run at its micro-batch (or the largest resident one)."""
     base = {r["micro"]: r for r in rows if r["kind"] == "resident"}
-    print("\n| case | micro | ms/step | tokens/s | TFLOPS | peak GiB | tokens/s vs resident (its micro, else the largest) |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| case | micro | GA | ms/step | tokens/s | TFLOPS | peak GiB | tokens/s vs resident (its micro, else the largest) |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         ref = base.get(r["micro"]) or (base[max(base)] if base else None)
         ratio = f"{r['tokens_s'] / ref['tokens_s']:.3f} (resident micro {ref['micro']})" if ref else "-"
-        print(f"| {r['kind']} | {r['micro']} | {r['step_ms']:.1f} | {r['tokens_s']:.0f} | {r['tflops']:.1f} | "
+        print(f"| {r['kind']} | {r['micro']} | {r.get('ga', 1)} | {r['step_ms']:.1f} | {r['tokens_s']:.0f} | {r['tflops']:.1f} | "
               f"{r['peak_gib']:.2f} | {ratio} |")
 
 
@@ -246,7 +252,8 @@ def main() -> None:
             vocab_size=args.vocab, hidden_size=args.width, num_hidden_layers=args.layers,
             intermediate_size=args.intermediate, num_attention_heads=args.heads, tie_word_embeddings=False)).parameters())
     print(f"# {torch.cuda.get_device_name(0)}, torch {torch.__version__}, Llama {params / 1e9:.2f}B, seq {args.seq}, "
-          f"{args.warmup} warm-up + {args.steps} measured steps, cap {args.cap_gib} GiB", flush=True)
+          f"{args.warmup} warm-up + {args.steps} measured steps of {args.ga} micro-batches, cap {args.cap_gib} GiB",
+          flush=True)
     rows = []
     for case in args.cases.split(","):
         kind, micro = case.rsplit(":", 1)

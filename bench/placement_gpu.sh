@@ -6,6 +6,7 @@
 #   STAGE=ds      the 3.1B model under DeepSpeed 0.19.8 (carried in .whl, DS_BUILD_OPS=0, its CPU Adam
 #                 built at first use): both offloads, its offload_optimizer.ratio 0.5, super_offload
 #   STAGE=7b      a 6.7B Llama (does not fit resident): offload under the auto budget
+# GA=N accumulates N micro-batches per optimizer step in every case (default 1).
 # Each case runs in a process of its own (bench/placement_bench.py says why).
 set -u
 out=${OUT:-bench/out}
@@ -26,7 +27,7 @@ cases() {  # cases NAME "MODEL FLAGS" "kind:micro ..." : one process per case, t
     rm -f "$rows"
     for case in $list; do
         timeout ${CASE_TIMEOUT:-150} torchrun --standalone --nproc_per_node=1 bench/placement_bench.py $model \
-            --cases "$case" --steps ${STEPS:-6} --warmup ${WARMUP:-3} --rows "$rows" 2>&1 \
+            --cases "$case" --steps ${STEPS:-6} --warmup ${WARMUP:-3} --ga ${GA:-1} --rows "$rows" 2>&1 \
             | grep -v -E "Warning|^\|" | tee -a "$out/placement_$name.log"
     done
     python3 bench/placement_bench.py --table "$rows" | tee -a "$out/placement_$name.log"

@@ -8,7 +8,9 @@ reported by number, so a hang becomes a test failure, never a stuck suite.
 
 `fn` must be defined at module level in an importable module (a test file is fine).
 Set ZERO3_TEST_BACKEND=nccl (one GPU a rank) or gloo (ranks may share one GPU) and
-ZERO3_TEST_DEVICE=cuda to run device-agnostic tests (the Hugging Face Trainer ones) on GPUs.
+ZERO3_TEST_DEVICE=cuda to run device-agnostic tests (the Hugging Face Trainer ones) on GPUs;
+ZERO3_TEST_WORLD_SIZE=1 runs the tests that read `WORLD_SIZE_OVERRIDE` on one rank (with
+ZERO3_COLLECTIVES_AT_WORLD_SIZE_1=1 the sharded collectives still run: one GPU on NCCL).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any, Callable
 
 BACKEND = os.environ.get("ZERO3_TEST_BACKEND", "gloo")
 DEVICE = os.environ.get("ZERO3_TEST_DEVICE", "cpu")
+WORLD_SIZE_OVERRIDE = int(os.environ.get("ZERO3_TEST_WORLD_SIZE", "0")) or None
 
 
 def free_port() -> int:

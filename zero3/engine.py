@@ -176,6 +176,7 @@ class Engine(EngineSurface, nn.Module):
         if self.config.precision.auto_cast:
             args, kwargs = _cast_floating((args, kwargs), self.compute_dtype)
         self.tput_timer.start()
+        self.reducer.sink.window_ends = self.is_gradient_accumulation_boundary()  # this micro-step's backward
         with self._phase("forward"):
             output = self.module(*args, **kwargs)
         if self.loss_scaler is not None and torch.is_grad_enabled():
@@ -336,6 +337,7 @@ class Engine(EngineSurface, nn.Module):
     def _optimizer_step(self, lr_kwargs: dict | None) -> bool:
         """Run the optimizer on the reduced gradients; False when an overflow skipped it."""
         self.reducer.flush()
+        self.reducer.sink.ship_held()
         divisor = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
         stepped = self.optimizer.step(grad_divisor=divisor)
         if self.loss_scaler is not None:

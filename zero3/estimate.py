@@ -38,7 +38,7 @@ from torch import nn
 from zero3.config import Zero3Config, from_deepspeed
 from zero3.params.units import persistent_indices
 from zero3.placement.plan import Plan, PlanInputs, UnitSize, make_plan
-from zero3.placement.sizes import state_bytes_per_element, working_set_bytes
+from zero3.placement.sizes import GRADIENT_BYTES, state_bytes_per_element, working_set_bytes
 
 CATEGORIES = ("param_shards", "resident_params", "grad_shards", "masters", "optimizer_state")
 
@@ -229,7 +229,9 @@ def estimate_placement(model: nn.Module | int, world_size: int, config: dict | s
                                 parsed.zero.model_persistence_threshold)
     sizes = tuple(UnitSize(name, sum(math.ceil(n / world_size) for n, _ in params) * width,
                            sum(math.ceil(n / world_size) for n, t in params if t) * per_state,
-                           sum(n for n, _ in params) * width) for name, params in units)
+                           sum(n for n, _ in params) * width,
+                           sum(math.ceil(n / world_size) for n, t in params if t) * GRADIENT_BYTES)
+                  for name, params in units)
     working = working_set_bytes(
         [sum(n for n, _ in params) for _, params in units], sum(n for i, n in enumerate(numels) if i not in chosen),
         parsed.zero.max_live_parameters, width,
@@ -238,7 +240,8 @@ def estimate_placement(model: nn.Module | int, world_size: int, config: dict | s
     zero = parsed.zero
     plan = make_plan(PlanInputs(sizes, zero.offload_param.enabled, zero.offload_optimizer.enabled,
                                 zero.offload_optimizer.ratio, budget, sum(numels[i] for i in chosen) * width,
-                                working, "given" if budget is not None else "none"))
+                                working, "given" if budget is not None else "none",
+                                parsed.gradient_accumulation_steps))
     return PlacementEstimate(plan, activation_bytes)
 
 

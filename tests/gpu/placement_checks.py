@@ -12,7 +12,9 @@ offloaded:
 - `auto`: both offloads, the budget measured over the first window, then what fits moved;
 - `moved`: all on the host, then `set_gpu_budget` to the part budget after two steps;
 - `ratio`: DeepSpeed's offload_optimizer.ratio 0.5, no budget;
-- `resumed`: `budget_part` saved after two steps, loaded under the all-host budget.
+- `resumed`: `budget_part` saved after two steps, loaded under the all-host budget;
+- `accumulators`: every optimizer side on the host (ratio 1), gradients summed on the device
+  over the window (a budget given) against summed on the host (none): bit for bit.
 Each prints its largest parameter difference from the all-device run (the CPU's and the
 GPU's fused AdamW round differently; a bf16 parameter differs by at most a few of its ulps)
 and the device's peak allocated bytes against the plan. PASS / FAIL lines, CHECKS at the end.
@@ -68,7 +70,7 @@ def check(name: str, ok: bool, detail: str) -> None:
         failures.append(name)
 
 
-def build(placement: dict | None, offload: bool = True, ratio: float | None = None):
+def build(placement: dict | None, offload: bool = True, ratio: float | None = None, clip: float = 0.3):
     import zero3
 
     torch.manual_seed(0)
@@ -77,7 +79,7 @@ def build(placement: dict | None, offload: bool = True, ratio: float | None = No
     if offload:
         zero["offload_param"] = {"device": "cpu"}
         zero["offload_optimizer"] = {"device": "cpu", **({} if ratio is None else {"ratio": ratio})}
-    config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GA, "gradient_clipping": 0.3,
+    config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GA, "gradient_clipping": clip,
               "bf16": {"enabled": True}, "zero_optimization": zero, "steps_per_print": None,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}}}
     if placement is not None:
@@ -179,6 +181,23 @@ def main() -> None:
     check("ratio", largest_difference(expected, got) < tolerance, f"{tiers(ratio)}; largest difference "
           f"{largest_difference(expected, got):.2e}")
     ratio.destroy()
+
+    # Gradient accumulators on the device for host-side optimizers against host accumulation:
+    # the same sums (fp32 adds of the same 16-bit slices), so the same bits (no clipping: its
+    # norm is taken on the GPU in one run and on the CPU in the other).
+    summed_on_host = build(None, ratio=1.0, clip=0.0)
+    train(summed_on_host, 0, STEPS)
+    on_host = full_params(summed_on_host)
+    summed_on_host.destroy()
+    summed_on_device = build({"gpu_budget": "1TiB"}, ratio=1.0, clip=0.0)
+    counts = summed_on_device.placement.plan.counts()
+    train(summed_on_device, 0, STEPS)
+    got = full_params(summed_on_device)
+    check("accumulators", counts["accumulators_on_device"] > 0 and counts["state_on_device"] == 0
+          and largest_difference(on_host, got) == 0.0,
+          f"{summed_on_device.placement.plan.describe()}; largest difference from host accumulation "
+          f"{largest_difference(on_host, got):.2e}")
+    summed_on_device.destroy()
 
     resumed = build({"gpu_budget": fixed})
     resumed.load_checkpoint(folder[0], tag="half")

@@ -1,7 +1,11 @@
 """A Trainer checkpoint written with real DeepSpeed 0.19.8 (the Hugging Face Trainer with
 `deepspeed=`, PEFT LoRA, 2 ranks) resumed by zero3.hf in new processes: the run continues
 from step 2 and its next losses are DeepSpeed's own (tests/fixtures/deepspeed/hf_trainer.py;
-regenerate with scripts/make_deepspeed_fixtures.sh hf_trainer_lora_w2)."""
+regenerate with scripts/make_deepspeed_fixtures.sh hf_trainer_lora_w2).
+
+ZERO3_TEST_WORLD_SIZE=1 resumes it on one rank (a GPU on NCCL) with the micro-batch times the
+fixture's world size: each step then sees the same samples in the same order, so DeepSpeed's
+losses still hold."""
 
 from __future__ import annotations
 
@@ -21,9 +25,10 @@ if str(FIXTURES) not in sys.path:
     sys.path.insert(0, str(FIXTURES))
 
 import hf_trainer as H  # noqa: E402
-from harness import run_ranks  # noqa: E402
+from harness import WORLD_SIZE_OVERRIDE, run_ranks  # noqa: E402
 
 FOLDER = FIXTURES / H.NAME
+WORLD = WORLD_SIZE_OVERRIDE or H.WORLD
 ENV = {"HF_HUB_OFFLINE": "1", "PYTHONPATH": str(FIXTURES) + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
 
@@ -42,7 +47,8 @@ def resume_worker(rank: int, world: int, out: str, resume_from: str) -> dict:
                 self.losses[state.global_step] = float(logs["loss"])
 
     log = Losses()
-    trainer = zero3.hf.Trainer(model=H.lora_model(FOLDER / "base"), args=H.arguments(Path(out)),
+    args = H.arguments(Path(out), per_device_train_batch_size=H.WORLD // world)
+    trainer = zero3.hf.Trainer(model=H.lora_model(FOLDER / "base"), args=args,
                                train_dataset=H.TokenRows(), callbacks=[log], zero3_config=H.ds_config())
     trainer.train(resume_from_checkpoint=resume_from)
     return {"losses": log.losses, "global_step": trainer.state.global_step}
@@ -56,7 +62,7 @@ def _expected_losses() -> dict[int, float]:
 
 def test_resume_a_deepspeed_trainer_checkpoint(tmp_path):
     expected = _expected_losses()
-    results = run_ranks(resume_worker, H.WORLD, str(tmp_path / "out"), str(FOLDER / "out" / f"checkpoint-{H.SAVE_AT}"),
+    results = run_ranks(resume_worker, WORLD, str(tmp_path / "out"), str(FOLDER / "out" / f"checkpoint-{H.SAVE_AT}"),
                         timeout=300, env=ENV)
     _check_continuation(results, expected)
 
@@ -89,7 +95,7 @@ def test_a_rollback_resume_in_the_same_output_dir_overwrites_the_later_deepspeed
     out = tmp_path / "out"
     shutil.copytree(FOLDER / "out", out)
     _stale_deepspeed_checkpoint(out)
-    results = run_ranks(resume_worker, H.WORLD, str(out), str(out / f"checkpoint-{H.SAVE_AT}"), timeout=300, env=ENV)
+    results = run_ranks(resume_worker, WORLD, str(out), str(out / f"checkpoint-{H.SAVE_AT}"), timeout=300, env=ENV)
     _check_continuation(results, expected)
     tag = out / f"checkpoint-{H.STEPS}" / f"global_step{H.STEPS}"
     assert verify_checkpoint(tag) == []  # a committed zero3 checkpoint, DeepSpeed's files gone

@@ -125,3 +125,57 @@ def test_widening_brings_more_to_the_device_and_nothing_back():
     # A proposal that would put less on the device takes nothing away.
     smaller = PlanInputs(UNITS, True, True, None, RESIDENT + WORKING, RESIDENT, WORKING, "less")
     assert tiers(widened(first, make_plan(smaller), smaller)) == tiers(first)
+
+
+# The same units with their gradient bytes (a quarter of each optimizer side: fp32 gradient,
+# master and two Adam moments).
+GRADED = tuple(UnitSize(u.name, u.param_bytes, u.state_bytes, u.gathered_bytes, u.state_bytes // 4) for u in UNITS)
+
+
+def plan_accumulating(budget, steps, ratio=None):
+    return make_plan(PlanInputs(GRADED, True, True, ratio, budget, RESIDENT, WORKING, "test", steps))
+
+
+def accumulators(plan):
+    return [u.name for u in plan.units if u.accumulates_on_device]
+
+
+def test_accumulation_puts_gradient_accumulators_before_optimizer_sides():
+    shards = RESIDENT + WORKING + 210
+    # No accumulation: the 400 left go to block0's optimizer side, as before.
+    assert accumulators(plan_accumulating(shards + 400, steps=1)) == []
+    # Accumulating over 4 micro-steps: accumulators of every host-side unit first (100 + 100 + 20),
+    # then optimizer sides at their bytes less their accumulator's: block0's (300) and block1's
+    # do not fit the 180 left, the head's (80 - 20) does.
+    plan = plan_accumulating(shards + 400, steps=4)
+    assert accumulators(plan) == ["block0", "block1"]
+    assert [u.state.value for u in plan.units] == ["device", "host", "host", "device"]
+    assert plan.device_bytes == shards + 200 + 80
+    plan = plan_accumulating(shards + 520, steps=4)
+    assert tiers(plan)["block0"] == ("device", "device") and accumulators(plan) == ["block1", "head"]
+    assert plan.device_bytes == shards + 520 <= plan.budget
+    # Host bytes are unchanged by accumulators: the optimizer side (and its host gradient) stays there.
+    assert plan.host_bytes == 400 + 80
+    assert "gradient accumulators of 2 host-side units" in plan.describe()
+
+
+def test_accumulators_fit_the_budget_and_vanish_without_one():
+    for budget in range(RESIDENT + WORKING, RESIDENT + WORKING + 1100, 7):
+        plan = plan_accumulating(budget, steps=8)
+        assert plan.device_bytes <= budget
+        assert all(u.state is Tier.HOST for u in plan.units if u.accumulates_on_device)
+    assert accumulators(plan_accumulating(None, steps=8)) == []  # no budget: the config's placement
+    # A ratio decides the optimizer sides; accumulators take the host-side ones' room left.
+    plan = plan_accumulating(RESIDENT + WORKING + 400 + 210 + 120, steps=2, ratio=0.6)
+    assert tiers(plan)["block0"][1] == "device" and accumulators(plan) == ["block1", "head"]
+
+
+def test_widening_keeps_accumulators_and_replaces_them_by_sides():
+    from zero3.placement.plan import widened
+
+    first = plan_accumulating(RESIDENT + WORKING + 210 + 220, steps=4)
+    assert accumulators(first) == ["block0", "block1", "head"]
+    inputs = PlanInputs(GRADED, True, True, None, RESIDENT + WORKING + 210 + 880, RESIDENT, WORKING, "more", 4)
+    wider = widened(first, make_plan(inputs), inputs)
+    assert accumulators(wider) == [] and all(u.state is Tier.DEVICE for u in wider.units)
+    assert wider.device_bytes == RESIDENT + WORKING + 1090

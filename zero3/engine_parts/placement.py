@@ -30,7 +30,7 @@ from zero3.params.wire import gather_rows
 from zero3.placement.budget import BudgetChoice, choose_budget, measured_budget
 from zero3.placement.devices import Placement
 from zero3.placement.plan import Plan, PlacementError, PlanInputs, Tier, UnitSize, make_plan, widened
-from zero3.placement.sizes import state_bytes_per_element, working_set_bytes
+from zero3.placement.sizes import GRADIENT_BYTES, state_bytes_per_element, working_set_bytes
 from zero3.platform.collectives import Communicator
 
 logger = logging.getLogger("zero3")
@@ -76,7 +76,8 @@ def unit_sizes(units: list[FetchUnit], rules: SizeRules, trains: bool) -> tuple[
         state_bytes = sum(sp.shard_numel for sp in unit.params if sp.requires_grad) * rules.per_state_element \
             if trains else 0
         gathered = sum(sp.numel * sp.param.element_size() for sp in unit.params)
-        sizes.append(UnitSize(unit.name, param_bytes, state_bytes, gathered))
+        grad_bytes = sum(sp.shard_numel for sp in unit.params if sp.requires_grad) * GRADIENT_BYTES if trains else 0
+        sizes.append(UnitSize(unit.name, param_bytes, state_bytes, gathered, grad_bytes))
     return tuple(sizes)
 
 
@@ -106,6 +107,7 @@ def plan_inputs(config: Zero3Config, table: dict, units: list[FetchUnit], optimi
         resident_bytes=resident_bytes(table),
         working_bytes=working_set(config, table, units, rules) if choice.charges_working_set else 0,
         budget_source=choice.source,
+        accumulation_steps=config.gradient_accumulation_steps,
     )
 
 
@@ -141,7 +143,8 @@ def placement_of(plan: Plan, units: list[FetchUnit], device: torch.device) -> Pl
     placement = Placement(device, plan)
     for unit in units:
         for sp in unit.params:
-            placement.assign(sp, plan.params_tier(unit.name), plan.state_tier(unit.name))
+            placed = plan.by_name[unit.name]
+            placement.assign(sp, placed.params, placed.state, placed.accumulator)
     return placement
 
 

@@ -105,9 +105,11 @@ class GradReducer:
             reduced.mul_(factor)
 
     def remove(self) -> None:
+        """Hooks off, the sink's add worker stopped (engine.destroy)."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self.sink.close()
 
     def clear(self) -> None:
         """Forget every gradient not yet reduced (engine.zero_grad)."""

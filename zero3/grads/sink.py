@@ -15,17 +15,30 @@ puts its optimizer side, one of two ways:
   use and kept until the placement changes (`placement_changed`) (re-faulting gigabytes of fresh host memory every step costs more
   than the step). The slice is cast to fp32 on the GPU, on the current stream, and
   copied by DMA on a stream of its own, so backward keeps computing while gradients go
-  down. The first slice of a window goes straight into its shard; a later one into a
-  pinned staging tensor that is added on the CPU once its copy is done (bounded: the
-  oldest staged slices are added when more than `staging_bytes` wait).
+  down. The first slice of a window goes straight into its shard (cast to fp32 on the
+  GPU); a later one (gradient accumulation) goes down in its own dtype, half the bytes of
+  fp32 for a 16-bit model, into a pinned staging tensor that a worker thread adds into the
+  shard once its copy is done: the add casts each element to fp32 exactly, so the sum is
+  the one an fp32 slice would give, bit for bit, and the thread that launches the backward
+  never waits for it. Bounded: when more than `staging_bytes` are staged, the caller waits
+  for the oldest add.
+
+- host, with an accumulator on the device (the placement grants one under a budget with
+  gradient accumulation, placement/plan.py): until the window's last backward
+  (`window_ends`, set by the engine before each forward) the slices are summed in an fp32
+  shard on the device, as for a device-side parameter; in the last backward the slice is
+  added there and the sum goes down as a window's first slice does (one fp32 copy, its
+  norm taken on the GPU), and the device shard is dropped. `ship_held()` sends down what
+  is still held (a window whose last backward was not announced) before the optimizer
+  reads the gradients.
 
 Invariant: `sp.grad_sq_norm`, when not None, is the squared L2 norm of `sp.grad_shard`
 (on the GPU); the host path sets it for a window's first slice and clears it on a second.
 Whoever drops a `grad_shard` drops it too.
 
-Invariant: after `finish()` every `grad_shard` holds its complete value and no copy is
-in flight. Until then a `grad_shard` may still be being written: nothing but `finish()`
-reads it.
+Invariant: after `finish()` every `grad_shard` holds its complete value and no copy or
+add is in flight. Until then a `grad_shard` may still be being written (by the copy
+stream or the add worker): nothing but `finish()` reads it.
 
 Fence: `fence` (when set) is called before a slice is written: an optimizer update still
 running behind the forward (optim/host_step.py) reads the host buffer, which the next
@@ -40,6 +53,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -60,9 +74,13 @@ class GradSink:
         self._host_buffer: torch.Tensor | None = None
         self._copy_stream: torch.cuda.Stream | None = None
         self._copies_done: torch.cuda.Event | None = None
-        self._staged: deque[tuple[torch.cuda.Event, torch.Tensor, torch.Tensor]] = deque()
+        self._staged: deque[tuple[Future, int]] = deque()  # the adds queued on the worker, their bytes
         self._staged_bytes = 0
+        self._adder: ThreadPoolExecutor | None = None
         self.fence = fence
+        # Whether the backward under way ends the accumulation window (engine: before each
+        # forward). True unless told otherwise: gradients then go where their optimizer side is.
+        self.window_ends = True
 
     # ----------------------------------------------------------------- entry
     def deliver(self, sp: ShardedParam, piece: torch.Tensor) -> None:
@@ -82,7 +100,11 @@ class GradSink:
         for sp, piece in pairs:
             device = self.placement.state_device(sp)
             if device.type == "cpu" and piece.device.type == "cuda":
-                self._deliver_to_host(sp, piece)
+                if not self.window_ends and self.placement.accumulates_on_device(sp) and \
+                        (sp.grad_shard is None or sp.grad_shard.device.type == "cuda"):
+                    local.append((sp, piece))  # summed on the device until the window's last backward
+                else:
+                    self._deliver_to_host(sp, piece)
             else:
                 local.append((sp, piece.to(device)))
         if len({id(sp) for sp, _ in local}) < len(local):  # one parameter's gradient twice: in order
@@ -125,12 +147,29 @@ class GradSink:
                                 [piece for _, piece in later])
 
     def finish(self) -> None:
-        """Wait for the copies in flight and add what is staged: gradients complete."""
+        """Wait for the copies in flight and the adds of what is staged: gradients complete."""
         if self._copies_done is not None:
             self._copies_done.synchronize()
             self._copies_done = None
         while self._staged:
-            self._add_oldest_staged()
+            self._wait_oldest_staged()
+
+    def close(self) -> None:
+        """Finish, then stop the add worker (made again at the next staged slice)."""
+        self.finish()
+        if self._adder is not None:
+            self._adder.shutdown(wait=True)
+            self._adder = None
+
+    def ship_held(self) -> None:
+        """Send down every gradient still summed on the device for a host-side optimizer
+        (a window whose last backward was not announced), so the optimizer finds each
+        gradient where its optimizer side is. Then `finish()`."""
+        for sp in self.params:
+            held = sp.grad_shard
+            if held is not None and held.device.type == "cuda" and self.placement.state_device(sp).type == "cpu":
+                self._deliver_to_host(sp, held[:0])
+        self.finish()
 
     def placement_changed(self) -> None:
         """The placement moved some optimizer sides (between steps, no gradient held): the
@@ -148,36 +187,55 @@ class GradSink:
     def _deliver_to_host(self, sp: ShardedParam, piece: torch.Tensor) -> None:
         """The first slice's squared norm is taken on the GPU on its way down
         (`sp.grad_sq_norm`): a norm over gigabytes of host gradients costs more than
-        the CPU optimizer step."""
-        source = piece.float() if piece.dtype != torch.float32 else piece
-        if sp.grad_shard is None:
+        the CPU optimizer step. A sum held on the device (`window_ends` came) takes `piece`
+        and goes down in its place, as the window's first slice."""
+        held = sp.grad_shard
+        if held is not None and held.device.type == "cuda":
+            held[: piece.numel()].add_(piece)
+            sp.grad_shard, piece = None, held
+        first = sp.grad_shard is None
+        source = piece.float() if first and piece.dtype != torch.float32 else piece
+        if first:
             sp.grad_sq_norm = torch.linalg.vector_norm(source, dtype=torch.float64).square()
         stream = self._stream(source.device)
         stream.wait_stream(torch.cuda.current_stream(source.device))
         source.record_stream(stream)
         with torch.cuda.stream(stream):
-            if sp.grad_shard is None:
+            if first:
                 shard = self._host_view(sp)
                 shard[: source.numel()].copy_(source, non_blocking=True)
                 sp.grad_shard = shard
             else:
                 sp.grad_sq_norm = None  # a second slice: the norm is the host's to compute
-                staging = torch.empty(source.numel(), dtype=torch.float32, pin_memory=True)
+                staging = torch.empty(source.numel(), dtype=source.dtype, pin_memory=True)
                 staging.copy_(source, non_blocking=True)
                 event = torch.cuda.Event()
                 event.record(stream)
-                self._staged.append((event, staging, sp.grad_shard))
-                self._staged_bytes += staging.numel() * 4
+                self._stage_add(event, staging, sp.grad_shard)
             self._copies_done = torch.cuda.Event()
             self._copies_done.record(stream)
         while self._staged_bytes > self.staging_bytes and len(self._staged) > 1:
-            self._add_oldest_staged()
+            self._wait_oldest_staged()
 
-    def _add_oldest_staged(self) -> None:
-        event, staging, shard = self._staged.popleft()
-        event.synchronize()
-        shard[: staging.numel()].add_(staging)
-        self._staged_bytes -= staging.numel() * 4
+    def _stage_add(self, copied: torch.cuda.Event, staging: torch.Tensor, shard: torch.Tensor) -> None:
+        """Queue `shard += staging` on the add worker, once `copied` (the copy into the
+        pinned `staging`) is done. Adds of one shard run in the order queued (one worker)."""
+        if self._adder is None:
+            self._adder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zero3-grad-add")
+
+        def add() -> None:
+            copied.synchronize()
+            shard[: staging.numel()].add_(staging)  # fp32 += 16-bit: each element cast exactly
+
+        nbytes = staging.numel() * staging.element_size()
+        self._staged.append((self._adder.submit(add), nbytes))
+        self._staged_bytes += nbytes
+
+    def _wait_oldest_staged(self) -> None:
+        """Wait for the oldest queued add (re-raising its failure here)."""
+        future, nbytes = self._staged.popleft()
+        self._staged_bytes -= nbytes
+        future.result()
 
     def _stream(self, device: torch.device) -> torch.cuda.Stream:
         if self._copy_stream is None:

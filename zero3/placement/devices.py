@@ -1,7 +1,8 @@
 """Where each managed parameter's two pieces live now: a tier, and so a device.
 
 `Placement` maps every ShardedParam (by identity) to the tier of its parameter shard and
-the tier of its optimizer side (gradient shard, master, optimizer state); a tier's device is
+the tier of its optimizer side (gradient shard, master, optimizer state), and marks the
+host-side ones whose gradient is accumulated on the device (plan.py); a tier's device is
 the compute device (DEVICE) or the CPU (HOST). On a CPU run both tiers are the same memory,
 but the tiers still decide where each piece steps (on the device tier in `step()`, on the
 host tier behind the next forward), so the plan's logic runs there too.
@@ -31,13 +32,19 @@ class Placement:
         self.plan = plan
         self._params: dict[int, Tier] = {}
         self._states: dict[int, Tier] = {}
+        self._accumulate_on_device: set[int] = set()
 
     def device_of(self, tier: Tier) -> torch.device:
         return self.compute_device if tier is Tier.DEVICE else HOST
 
-    def assign(self, sp: Any, params: Tier, state: Tier) -> None:
+    def assign(self, sp: Any, params: Tier, state: Tier, accumulator: Tier | None = None) -> None:
+        """`accumulator`: where the window's gradient sum lives (None: with the optimizer side)."""
         self._params[id(sp)] = params
         self._states[id(sp)] = state
+        if state is Tier.HOST and accumulator is Tier.DEVICE:
+            self._accumulate_on_device.add(id(sp))
+        else:
+            self._accumulate_on_device.discard(id(sp))
 
     def params_tier(self, sp: Any) -> Tier:
         return self._params.get(id(sp), Tier.DEVICE)
@@ -51,6 +58,11 @@ class Placement:
     def state_device(self, sp: Any) -> torch.device:
         """Where `sp`'s gradient shard, master and optimizer state live."""
         return self.device_of(self.state_tier(sp))
+
+    def accumulates_on_device(self, sp: Any) -> bool:
+        """`sp`'s optimizer side is on the host but its gradient is summed on the device
+        until the window's last backward (grads/sink.py)."""
+        return id(sp) in self._accumulate_on_device
 
     @property
     def any_state_on_host(self) -> bool:

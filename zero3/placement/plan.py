@@ -5,6 +5,10 @@ A unit's state comes in two pieces, placed separately:
   dtype): read by every forward and backward gather;
 - its *optimizer side* (fp32 gradient shards, fp32 masters unless the master is the shard
   itself, and the optimizer state): touched once per optimizer step.
+With gradient accumulation, a unit whose optimizer side is on the host may also get an
+*accumulator* on the device: its fp32 gradient shard is summed there over the window's
+micro-steps and goes down once, in the window's last backward, instead of crossing the bus
+and being added on the CPU at every micro-step.
 
 Rules, in this order:
 1. What the config does not offload is on the device (`offload_param.device: "none"` puts
@@ -18,10 +22,14 @@ Rules, in this order:
    `PlacementError` names the largest unit, its size and the budget. Then, while bytes are
    left, parameter shards come to the device first, frozen units before trainable ones
    (a frozen unit costs its shard only and is read on every micro-step), each group in
-   forward order; then optimizer sides, in forward order, of units whose parameter shards
-   are on the device (a unit stepped on the device needs its shard there to write the
-   update). A `ratio` given with a budget decides the optimizer sides by rule 2; the
-   budget then only checks that they fit.
+   forward order; then, with gradient accumulation (more than one micro-step a window),
+   accumulators for the units whose optimizer side is on the host, in forward order (4
+   bytes a trainable element save a host add and a copy of the gradient at every
+   micro-step but the last: more per byte than an optimizer side saves); then optimizer
+   sides, in forward order, of units whose parameter shards are on the device (a unit
+   stepped on the device needs its shard there to write the update; its side holds its
+   gradient, so it costs its side less the accumulator it replaces). A `ratio` given with a
+   budget decides the optimizer sides by rule 2; the budget then only checks that they fit.
 
 Invariant: `Plan.device_bytes <= Plan.budget` whenever a budget is given; `device_bytes`
 counts every tensor of the engine's own that the plan puts on the device, with the working
@@ -51,12 +59,14 @@ class UnitSize:
     """One fetch unit's bytes on this rank.
 
     `param_bytes`: its parameter shards (compute dtype). `state_bytes`: its optimizer side
-    (0 for a frozen unit). `gathered_bytes`: its parameters gathered whole, while it runs."""
+    (0 for a frozen unit). `gathered_bytes`: its parameters gathered whole, while it runs.
+    `grad_bytes`: its gradient shards, the part of `state_bytes` an accumulator holds."""
 
     name: str
     param_bytes: int
     state_bytes: int
     gathered_bytes: int
+    grad_bytes: int = 0
 
     @property
     def frozen(self) -> bool:
@@ -65,9 +75,22 @@ class UnitSize:
 
 @dataclass(frozen=True)
 class UnitPlacement:
+    """`accumulator`: where the unit's gradient is summed over a window's micro-steps (its
+    optimizer side's tier, or DEVICE for a host-side unit granted an accumulator)."""
+
     name: str
     params: Tier
     state: Tier
+    accumulator: Tier | None = None
+
+    def __post_init__(self) -> None:
+        if self.accumulator is None:
+            object.__setattr__(self, "accumulator", self.state)
+
+    @property
+    def accumulates_on_device(self) -> bool:
+        """The optimizer side is on the host, the window's gradient sum on the device."""
+        return self.state is Tier.HOST and self.accumulator is Tier.DEVICE
 
 
 @dataclass(frozen=True)
@@ -79,7 +102,8 @@ class PlanInputs:
     the CPU). `ratio`: DeepSpeed's offload_optimizer.ratio when the config gives one.
     `budget`: the device bytes the engine's own tensors may hold, or None (no budget).
     `resident_bytes`: parameters held whole on every rank between steps (always on the
-    device). `working_bytes`: gathered units and gradient buckets in flight."""
+    device). `working_bytes`: gathered units and gradient buckets in flight.
+    `accumulation_steps`: micro-steps a window (accumulators are placed only above 1)."""
 
     units: tuple[UnitSize, ...]
     param_offload: bool
@@ -89,6 +113,7 @@ class PlanInputs:
     resident_bytes: int = 0
     working_bytes: int = 0
     budget_source: str = ""
+    accumulation_steps: int = 1
 
 
 @dataclass(frozen=True)
@@ -116,14 +141,17 @@ class Plan:
         """How many units have each piece on the device."""
         return {"units": len(self.units),
                 "params_on_device": sum(u.params is Tier.DEVICE for u in self.units),
-                "state_on_device": sum(u.state is Tier.DEVICE for u in self.units)}
+                "state_on_device": sum(u.state is Tier.DEVICE for u in self.units),
+                "accumulators_on_device": sum(u.accumulates_on_device for u in self.units)}
 
     def describe(self) -> str:
         """One line: the budget, what sits where, the predicted bytes."""
         c = self.counts()
         budget = "no budget" if self.budget is None else f"budget {self.budget / GIB:.2f} GiB ({self.budget_source})"
+        accumulators = (f", gradient accumulators of {c['accumulators_on_device']} host-side units"
+                        if c["accumulators_on_device"] else "")
         return (f"placement: {budget}; parameter shards of {c['params_on_device']}/{c['units']} units and "
-                f"optimizer state of {c['state_on_device']}/{c['units']} units on the device; predicted "
+                f"optimizer state of {c['state_on_device']}/{c['units']} units{accumulators} on the device; predicted "
                 f"device {self.device_bytes / GIB:.2f} GiB (fixed {self.fixed_bytes / GIB:.2f} GiB), "
                 f"host {self.host_bytes / GIB:.2f} GiB")
 
@@ -136,20 +164,20 @@ def make_plan(inputs: PlanInputs) -> Plan:
     if inputs.state_offload and inputs.ratio is not None:
         state.update(_ratio_tiers(units, inputs.ratio))
     fixed = _fixed_bytes(inputs, params, state)
+    accumulators: set[str] = set()
     if inputs.budget is not None:
         _check_fixed_fits(inputs, fixed)
         left = inputs.budget - fixed
         if inputs.param_offload:
             left = _fill_params(units, params, left)
+        if inputs.state_offload and inputs.accumulation_steps > 1:
+            left = _fill_accumulators(units, state, accumulators, left)
         if inputs.state_offload and inputs.ratio is None:
-            _fill_states(units, params, state, left)
+            _fill_states(units, params, state, accumulators, left)
     for unit in units:
         if unit.frozen:  # no optimizer side: say it is where the shard is
             state[unit.name] = params[unit.name]
-    placed = tuple(UnitPlacement(u.name, params[u.name], state[u.name]) for u in units)
-    device = inputs.resident_bytes + inputs.working_bytes + _bytes_on(units, params, state, Tier.DEVICE)
-    host = _bytes_on(units, params, state, Tier.HOST)
-    return Plan(placed, inputs.budget, device, host, fixed, inputs.budget_source)
+    return _counted(inputs, params, state, accumulators, fixed)
 
 
 def widened(current: Plan, proposed: Plan, inputs: PlanInputs) -> Plan:
@@ -160,11 +188,20 @@ def widened(current: Plan, proposed: Plan, inputs: PlanInputs) -> Plan:
               for u in current.units}
     state = {u.name: Tier.DEVICE if Tier.DEVICE in (u.state, proposed.state_tier(u.name)) else Tier.HOST
              for u in current.units}
+    accumulators = {u.name for u in current.units + proposed.units if u.accumulates_on_device}
+    return _counted(inputs, params, state, accumulators, current.fixed_bytes)
+
+
+def _counted(inputs: PlanInputs, params: dict[str, Tier], state: dict[str, Tier], accumulators: set[str],
+             fixed: int) -> Plan:
+    """The plan of these tiers, with its device and host bytes."""
     units = inputs.units
-    placed = tuple(UnitPlacement(u.name, params[u.name], state[u.name]) for u in units)
-    device = inputs.resident_bytes + inputs.working_bytes + _bytes_on(units, params, state, Tier.DEVICE)
-    return Plan(placed, inputs.budget, device, _bytes_on(units, params, state, Tier.HOST),
-                current.fixed_bytes, inputs.budget_source)
+    placed = tuple(UnitPlacement(u.name, params[u.name], state[u.name],
+                                 Tier.DEVICE if u.name in accumulators else state[u.name]) for u in units)
+    held = sum(u.grad_bytes for u, p in zip(units, placed) if p.accumulates_on_device)
+    device = inputs.resident_bytes + inputs.working_bytes + _bytes_on(units, params, state, Tier.DEVICE) + held
+    return Plan(placed, inputs.budget, device, _bytes_on(units, params, state, Tier.HOST), fixed,
+                inputs.budget_source)
 
 
 def _ratio_tiers(units: tuple[UnitSize, ...], ratio: float) -> dict[str, Tier]:
@@ -214,13 +251,29 @@ def _fill_params(units: tuple[UnitSize, ...], params: dict[str, Tier], left: int
     return left
 
 
-def _fill_states(units: tuple[UnitSize, ...], params: dict[str, Tier], state: dict[str, Tier], left: int) -> int:
+def _fill_accumulators(units: tuple[UnitSize, ...], state: dict[str, Tier], accumulators: set[str],
+                       left: int) -> int:
+    """Gradient accumulators onto the device while they fit, in forward order, for the
+    trainable units whose optimizer side is on the host. Returns the bytes still free."""
+    for unit in units:
+        if unit.frozen or state[unit.name] is Tier.DEVICE or unit.grad_bytes > left:
+            continue
+        accumulators.add(unit.name)
+        left -= unit.grad_bytes
+    return left
+
+
+def _fill_states(units: tuple[UnitSize, ...], params: dict[str, Tier], state: dict[str, Tier],
+                 accumulators: set[str], left: int) -> int:
     """Optimizer sides onto the device while they fit, in forward order, for units whose
-    parameter shards are there. Returns the bytes still free."""
+    parameter shards are there; a side replaces the unit's accumulator, whose bytes it
+    takes over. Returns the bytes still free."""
     for unit in units:
         if unit.frozen or state[unit.name] is Tier.DEVICE or params[unit.name] is not Tier.DEVICE:
             continue
-        if unit.state_bytes <= left:
+        cost = unit.state_bytes - (unit.grad_bytes if unit.name in accumulators else 0)
+        if cost <= left:
             state[unit.name] = Tier.DEVICE
-            left -= unit.state_bytes
+            accumulators.discard(unit.name)
+            left -= cost
     return left

@@ -3,7 +3,8 @@ and `zero3 estimate` (estimate.py) both charge, so that the estimate shows the p
 engine will make.
 
 - a unit's parameter shards: its shard elements in the compute dtype;
-- its optimizer side, per trainable shard element: the fp32 gradient shard (4 bytes), the
+- its optimizer side, per trainable shard element: the fp32 gradient shard (4 bytes, also
+  what a device accumulator of a host-side unit holds), the
   fp32 master (4, or 0 when the compute dtype is fp32 and the master is the shard itself)
   and the optimizer's fp32 state tensors (4 each);
 - the working set: gathered units (at most stage3_max_live_parameters elements, at least
@@ -14,6 +15,7 @@ engine will make.
 from __future__ import annotations
 
 FP32 = 4
+GRADIENT_BYTES = FP32  # a gradient shard (or its accumulator on the device) per trainable element
 
 
 def state_bytes_per_element(compute_width: int, optimizer_states: int) -> int:
