@@ -2,7 +2,7 @@
 # The GPU runs of the compile, asynchronous-save and sharded-Hugging-Face work, in stages
 # (each stage's log under $OUT). DeepSpeed 0.19.8 (built with DS_BUILD_OPS=0) and what it
 # lacks come from wheels in build/wheels; the Hugging Face extras from .whl.
-#   STAGE=hf,hf_w1,async,ds_compile_1b,compile_7b_lora
+#   STAGE=hf,hf_w1,async,ds_compile_1b,compile_7b_lora,state_offload
 # Each of async and compile_7b_lora may take most of a 10-minute device call: run them in
 # calls of their own (STAGE=hf with tests/gpu/sharded_tier.sh STAGE=train fits in one).
 set -u
@@ -60,4 +60,10 @@ if [[ $stage == *compile_7b_lora* ]]; then
         --micro-batch 1 --steps 4 --warmup 3 --rounds 1 --lora 16 --build-on device \
         --peers ${LORA_PEERS:-plain_compiled,plain_autocast_compiled,zero3_compiled,fsdp2_compiled,zero3} \
         2>&1 | grep -v "Warning\|warn(" | tee "$out/compile_7b_lora.log" | tail -14)
+fi
+if [[ $stage == *state_offload* ]]; then
+    # offload_states()/reload_states() and cpu_checkpointing on the 1B Llama (about 3 minutes)
+    timeout ${OFFLOAD_TIMEOUT:-540} torchrun --standalone --nproc_per_node=1 bench/state_offload_bench.py \
+        --device cuda --dtype bf16 --width 2048 --layers 16 --intermediate 5632 --heads 16 --vocab 32000 \
+        --seq 2048 --micro-batch 2 2>&1 | grep -v "Warning\|warn(" | tee "$out/state_offload_1b.log" | tail -20
 fi

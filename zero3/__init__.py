@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from zero3 import checkpointing, comm, moe, ops, runtime, utils, zero
+from zero3 import checkpointing, comm, compression, moe, ops, runtime, utils, zero
 from zero3.accelerator import get_accelerator
 from zero3.api import initialize
 from zero3.checkpoint.errors import CheckpointError
@@ -30,7 +30,7 @@ from zero3.zero import Init
 DeepSpeedEngine = Engine
 
 __all__ = [
-    "CheckpointError", "ConfigError", "checkpointing", "DeepSpeedConfigError", "add_config_arguments", "comm", "ops", "runtime", "utils", "DivergenceError", "DeepSpeedEngine", "Engine", "EngineError",
+    "CheckpointError", "ConfigError", "checkpointing", "compression", "DeepSpeedConfigError", "add_config_arguments", "comm", "ops", "runtime", "utils", "DivergenceError", "DeepSpeedEngine", "Engine", "EngineError",
     "GatheredParameters", "Init", "PlacementError", "estimate_memory", "get_accelerator", "moe",
     "gathered_for_generation", "init_distributed", "initialize",
     "register_external_parameter", "set_z3_leaf_modules", "set_z3_leaf_modules_by_name",

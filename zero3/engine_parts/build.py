@@ -1,7 +1,7 @@
 """Building an engine's parts, in the order the Engine constructor calls them.
 
-  model -> `prepare_module` (zero3.Init's shards claimed, dtype cast, rank 0's values
-  broadcast) -> `shard_parameters` (ShardedParams; non-persistent ones released) ->
+  model -> `prepare_module` (DeepSpeed zero.Init's partitions adopted, zero3.Init's shards
+  claimed, dtype cast, rank 0's values broadcast) -> `shard_parameters` (ShardedParams; non-persistent ones released) ->
   `resolve_optimizer` (client's, a factory's, or the config's) -> `host_step_overlap`
   (whether the CPU update runs behind the next forward: then one `BackgroundStep` is made
   here and handed to everything that must wait for it) -> `build_reducer` ->
@@ -21,6 +21,8 @@ import torch
 from torch import nn
 
 from zero3.config import Zero3Config
+from zero3.engine_parts.deepspeed_adopt import adopt_deepspeed_partitions
+from zero3.engine_parts.errors import EngineError, EngineUsageError  # noqa: F401 - the engine's errors, named here too
 from zero3.grads.reduce import GradReducer
 from zero3.grads.usage import GradUsage
 from zero3.optim.host_step import BackgroundStep
@@ -51,23 +53,16 @@ ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = (
 )
 
 
-class EngineError(RuntimeError):
-    """The engine cannot do what was asked (the message says why and what to do)."""
-
-
-class EngineUsageError(EngineError, AssertionError):
-    """A call DeepSpeed refuses with an `assert` (a non-scalar loss, backward or scale without
-    an optimizer): also an AssertionError, so DeepSpeed code that catches one still does."""
-
-
 # ------------------------------------------------------------------ the model
 def prepare_module(model: nn.Module, device: torch.device, compute_dtype: torch.dtype,
                    comm: Communicator) -> dict[nn.Parameter, torch.Tensor]:
     """Move `model` to `device`, parameters to `compute_dtype` (buffers keep theirs, as
     DeepSpeed), rank 0's values everywhere. Collective. Returns the shards of parameters
-    partitioned by zero3.Init (those parameters are left empty; the caller owns the shards)."""
+    partitioned by zero3.Init, or by DeepSpeed's zero.Init and adopted here first
+    (deepspeed_adopt.py); those parameters are left empty; the caller owns the shards."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"zero3.initialize(model=...) expects an nn.Module, got {type(model).__name__}")
+    adopt_deepspeed_partitions(model, comm)
     for name, p in model.named_parameters():
         if init_shard_of(p) is None:
             refuse_released(p, "zero3.initialize", name, fix="it was sharded by another engine or zero3.Init "

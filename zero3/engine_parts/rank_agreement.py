@@ -8,7 +8,8 @@ timeout. So, before any other collective, each rank fingerprints
 
   - the normalized config (every field of `Zero3Config`, as parsed),
   - the client optimizer's class and the hyper-parameters of each param group,
-  - every parameter of the model: name, shape, dtype, requires_grad,
+  - every parameter of the model: name, shape, dtype, requires_grad, and whether DeepSpeed's
+    zero.Init partitioned it (deepspeed_adopt.py gathers those: a collective),
 
 and the ranks compare a 32-byte digest of it in one all-gather. Only when digests
 differ are the items themselves gathered, to name the keys or parameters that differ and
@@ -30,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from zero3.engine_parts.deepspeed_adopt import deepspeed_mark
 from zero3.platform.collectives import Communicator
 
 PER_RANK_FIELDS = frozenset({
@@ -86,9 +88,11 @@ def optimizer_items(optimizer: Any) -> dict[str, str]:
 
 
 def model_items(model: nn.Module) -> dict[str, str]:
-    """`param <name>` -> its shape, dtype and requires_grad, for every parameter (tied ones once)."""
+    """`param <name>` -> its shape, dtype and requires_grad, for every parameter (tied ones once),
+    and whether DeepSpeed's zero.Init partitioned it (its adoption is a collective)."""
     return {f"param {name}": f"shape={tuple(p.shape)} dtype={str(p.dtype).replace('torch.', '')} "
                              f"requires_grad={p.requires_grad}"
+                             + (" partitioned by DeepSpeed's zero.Init" if deepspeed_mark(p) else "")
             for name, p in model.named_parameters()}
 
 
