@@ -2,7 +2,8 @@
 
 `Placement` maps every ShardedParam (by identity) to the tier of its parameter shard and
 the tier of its optimizer side (gradient shard, master, optimizer state); a tier's device is
-the compute device (DEVICE) or the CPU (HOST). On a CPU run both tiers are the same memory,
+the compute device (DEVICE) or the CPU (HOST, and NVME: a piece on NVMe is read into host
+memory to step, zero3/optim/nvme_state.py). On a CPU run both tiers are the same memory,
 but the tiers still decide where each piece steps (on the device tier in `step()`, on the
 host tier behind the next forward), so the plan's logic runs there too.
 
@@ -54,5 +55,10 @@ class Placement:
 
     @property
     def any_state_on_host(self) -> bool:
-        return any(tier is Tier.HOST for tier in self._states.values())
+        """Some optimizer side steps on the host (the host tier, or NVMe behind it)."""
+        return any(tier is not Tier.DEVICE for tier in self._states.values())
+
+    @property
+    def any_state_on_nvme(self) -> bool:
+        return any(tier is Tier.NVME for tier in self._states.values())
 
