@@ -269,9 +269,10 @@ def _rank_tensors(model: ShardedModel, optimizer: OptimizerAccess, exclude_froze
     masters = optimizer.masters(paged_in=False)  # NVMe-tier ones streamed from their files below
     optimizer_state = optimizer.state(paged_in=False) if optimizer_state is None else optimizer_state
 
-    def add(name: str, tensor: torch.Tensor) -> None:
-        specs.append(TensorSpec(name, tensor.dtype, tuple(tensor.shape)))
-        producers.append(lambda: optimizer.readable(tensor))
+    def add(name: str, tensor: torch.Tensor, first: int | None = None) -> None:
+        """`tensor` (its `first` elements, when given), read when the file is written."""
+        specs.append(TensorSpec(name, tensor.dtype, tuple(tensor.shape) if first is None else (first,)))
+        producers.append(lambda: optimizer.readable(tensor) if first is None else optimizer.readable(tensor)[:first])
 
     for sp in _saved_params(model.table, exclude_frozen):
         valid = sp.local_valid_numel
@@ -285,13 +286,13 @@ def _rank_tensors(model: ShardedModel, optimizer: OptimizerAccess, exclude_froze
         if master is None:
             continue
         if info["master"]:
-            add(f"master/{sp.name}", master[:valid])
+            add(f"master/{sp.name}", master, valid)
         for key, value in optimizer_state.get(master, {}).items():
             if not isinstance(value, torch.Tensor):
                 continue
             if value.shape == master.shape:
                 info["optim"][str(key)] = "elementwise"
-                add(f"optim/{sp.name}/{key}", value[:valid])
+                add(f"optim/{sp.name}/{key}", value, valid)
             else:
                 info["optim"][str(key)] = "whole"
                 add(f"optim_whole/{sp.name}/{key}", value)

@@ -144,6 +144,7 @@ class OptimizerSwap:
         error = self._prepare(optimizer.comm.rank, needed)
         failures = [(rank, e) for rank, e in enumerate(optimizer.comm.gather_objects(error)) if e]
         if failures:
+            self.close()
             rank, first = failures[0]
             raise SwapSetupError(first if first == error else f"rank {rank}: {first}")
         for g in range(len(self.groups)):
