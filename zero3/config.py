@@ -825,9 +825,9 @@ _OFFLOAD_COMMON: dict[str, _Rule] = {
 }
 
 _OFFLOAD_PARAM_RULES: dict[str, _Rule] = {
-    **_OFFLOAD_COMMON,
     "device": _Map("device", _offload_device, '"none" or "cpu": where the parameter shards live between '
                    'uses; "nvme" is refused (parameter shards on NVMe are not implemented)'),
+    **_OFFLOAD_COMMON,
     "nvme_path": _off(None, f"{_NVME} for parameter shards; the path is used only with device nvme",
                       'Remove the key (offload_optimizer.nvme_path puts the optimizer state on NVMe).'),
     "buffer_count": _off(5, f"{_NVME}; DeepSpeed uses buffer_count only with device nvme"),
@@ -836,10 +836,10 @@ _OFFLOAD_PARAM_RULES: dict[str, _Rule] = {
 }
 
 _OFFLOAD_OPTIMIZER_RULES: dict[str, _Rule] = {
-    **_OFFLOAD_COMMON,
     "device": _Map("device", _offload_device, '"none", "cpu" or "nvme": where the optimizer side (gradient '
                    'shards, fp32 masters, optimizer state) lives; "nvme": the host up to placement.host_budget, '
                    "the masters and optimizer state of the rest in swap files under nvme_path"),
+    **_OFFLOAD_COMMON,
     "nvme_path": _Map("nvme_path", _nvme_path, 'device "nvme": the folder of the per-rank swap files (must '
                       "exist, be writable and hold the state; checked at initialize)"),
     "buffer_count": _Map("buffer_count", _buffer_count, 'device "nvme": host staging buffers, each the size of '

@@ -45,7 +45,7 @@ import enum
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
@@ -58,8 +58,18 @@ from zero3.nvme.pager import GroupPager
 from zero3.optim.state_probe import foreseen_state
 from zero3.placement.plan import Tier
 
-if TYPE_CHECKING:
-    from zero3.optim.masters import ShardedOptimizer
+
+
+class SteppedOptimizer(Protocol):
+    """What this module reads of the sharded optimizer (optim/masters.py), which imports it."""
+
+    params: list[Any]  # ShardedParam, in step order
+    masters: list[torch.Tensor]  # masters[i] pairs with params[i]
+    optimizer: torch.optim.Optimizer
+    placement: Any  # zero3.placement.devices.Placement
+    comm: Any  # zero3.platform.collectives.Communicator
+
+    def sub_groups(self) -> list[list[int]]: ...
 
 logger = logging.getLogger("zero3")
 
@@ -131,7 +141,7 @@ class OptimizerSwap:
         self._loose: list[int] = []
 
     # ------------------------------------------------------------------ setup
-    def attach(self, optimizer: "ShardedOptimizer") -> None:
+    def attach(self, optimizer: SteppedOptimizer) -> None:
         """Lay out the NVMe-tier sub-groups of `optimizer`, prepare this rank's folder (every
         rank's failure raised on every rank), and write each group's masters once."""
         self.opt = optimizer
@@ -347,7 +357,7 @@ class OptimizerSwap:
             self.folder = None
 
 
-def attached(swap: OptimizerSwap | None, optimizer: "ShardedOptimizer") -> OptimizerSwap | NoSwap:
+def attached(swap: OptimizerSwap | None, optimizer: SteppedOptimizer) -> OptimizerSwap | NoSwap:
     """`swap` attached to `optimizer` (a collective), or a NoSwap when there is none."""
     if swap is None:
         return NoSwap()
