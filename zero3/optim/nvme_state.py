@@ -43,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import logging
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -139,6 +140,7 @@ class OptimizerSwap:
         self._sequence: list[list[int]] = []
         self._parked: dict[int, tuple[int, Region, torch.Tensor]] = {}  # id(tensor) -> (group, region, it)
         self._loose: list[int] = []
+        self.waited = {"read": 0.0, "write": 0.0}  # seconds the step spent blocked on swap I/O
 
     # ------------------------------------------------------------------ setup
     def attach(self, optimizer: SteppedOptimizer) -> None:
@@ -278,19 +280,24 @@ class OptimizerSwap:
         """Sub-group k's swap groups in memory (BOUND, or LOOSE as they are); k+1's read started."""
         for g in self._sequence[k]:
             if self.groups[g].held is Held.PARKED:
-                self._bind(g, self.pager.resident(g))
+                start = time.perf_counter()
+                buffer = self.pager.resident(g)
+                self.waited["read"] += time.perf_counter() - start
+                self._bind(g, buffer)
         if self.offload.pipeline_read:
             self._prefetch(k + 1)
 
     def after(self, k: int) -> None:
         """Sub-group k's swap groups written back and PARKED; after the last, every write done."""
+        start = time.perf_counter()
         for g in self._sequence[k]:
-            self._store(g, wait=not self.offload.pipeline_write)
+            self._store(g, wait=not self.offload.pipeline_write)  # waits for a free buffer, too
         if self.offload.pipeline_read:
             self._prefetch(k + 1)
         if k == len(self._sequence) - 1:
             self.pager.drain()
             self._loose = []
+        self.waited["write"] += time.perf_counter() - start
 
     # ------------------------------------------------------------------ outside the step
     def readable(self, tensor: torch.Tensor) -> torch.Tensor:
