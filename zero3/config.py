@@ -43,6 +43,7 @@ logger = logging.getLogger("zero3")
 __all__ = [
     "ConfigError",
     "OffloadConfig",
+    "AioConfig",
     "LeafModuleConfig",
     "ZeroConfig",
     "ActivationCheckpointingConfig",
@@ -174,7 +175,9 @@ GRADIENT_CLIPPING_DEFAULT = 1.0
 
 @dataclass(frozen=True)
 class OffloadConfig:
-    """Where a state lives between uses: ``"none"`` (the device) or ``"cpu"``."""
+    """Where a state lives between uses: ``"none"`` (the device), ``"cpu"`` or, for the
+    optimizer side, ``"nvme"`` (the host first, up to ``placement.host_budget``, then swap
+    files under ``nvme_path``: zero3/nvme/)."""
 
     device: str = "none"
     pin_memory: bool = False  # from_deepspeed fills DeepSpeed's default (True) when a section is given
@@ -183,11 +186,38 @@ class OffloadConfig:
     # offload_optimizer only: DeepSpeed's ratio, the share of the optimizer state on the host
     # (None: not given; the placement budget decides, zero3/placement/plan.py)
     ratio: float | None = None
+    # device "nvme" only: the folder of the swap files, the staging buffers, the pipelining
+    nvme_path: str | None = None
+    buffer_count: int = 4
+    pipeline_read: bool = True
+    pipeline_write: bool = True
 
     @property
     def enabled(self) -> bool:
-        """True when the state is offloaded to CPU memory."""
-        return self.device == "cpu"
+        """True when the state is offloaded off the device (to CPU memory, or NVMe behind it)."""
+        return self.device in ("cpu", "nvme")
+
+    @property
+    def nvme(self) -> bool:
+        """True when what does not fit the host budget goes to swap files under nvme_path."""
+        return self.device == "nvme"
+
+
+@dataclass(frozen=True)
+class AioConfig:
+    """The ``aio`` section: how the NVMe tier's reads and writes are issued (zero3/nvme/io.py).
+
+    ``block_size``: bytes per I/O call; ``queue_depth``: calls of one request in flight at
+    once; ``intra_op_parallelism``: I/O threads; ``single_submit``: calls issued one after
+    another instead of a window at a time; ``overlap_events``: the next window is issued
+    while the last completes instead of after it. Invariant: block_size is a multiple of
+    4096 (direct I/O alignment)."""
+
+    block_size: int = 1048576
+    queue_depth: int = 8
+    intra_op_parallelism: int = 1
+    single_submit: bool = False
+    overlap_events: bool = True
 
 
 @dataclass(frozen=True)
@@ -212,11 +242,14 @@ class PlacementConfig:
     and gradient buckets; activations are outside it); None: "auto", the device's free
     memory less the activation reserve and a margin. ``activation_reserve``: bytes kept
     free for activations under the "auto" budget; None: measured over the first
-    accumulation window. Both matter only where something is offloaded.
+    accumulation window. Both matter only where something is offloaded. ``host_budget``:
+    with ``offload_optimizer.device: "nvme"``, host bytes the offloaded optimizer sides may
+    hold before the rest goes to swap files (None: none, all of it on NVMe, as DeepSpeed).
     """
 
     gpu_budget: int | None = None
     activation_reserve: int | None = None
+    host_budget: int | None = None
 
 
 @dataclass(frozen=True)
@@ -356,6 +389,7 @@ class Zero3Config:
     throughput_timer_synchronized: bool
     activation_checkpointing: ActivationCheckpointingConfig
     raw: dict
+    aio: AioConfig = AioConfig()
 
     # DeepSpeed's `engine.config` is the JSON dict it was given: read it the same way.
     def __getitem__(self, key: str) -> Any:
@@ -701,15 +735,38 @@ def _overlap_comm(key: str, value: Any) -> bool:
 
 
 def _offload_device(key: str, value: Any) -> str:
-    """Converter for ``offload_*.device``: "none" or "cpu"; "nvme" is refused."""
-    if value == "nvme":
-        _fail(key, value, "not supported; use cpu",
-              'Set "device": "cpu" (or "none"); zero3 offloads to CPU memory only.')
+    """Converter for ``offload_*.device``: "none", "cpu" or "nvme" (the optimizer side only)."""
     if value is None:
         return "none"
-    if value not in ("none", "cpu"):
-        _fail(key, value, "not a valid offload device", 'Use "none" or "cpu".')
+    if value == "nvme" and key.endswith("offload_param.device"):
+        _fail(key, value, "parameter shards on NVMe are not implemented (the optimizer state is: "
+              'offload_optimizer.device "nvme")', 'Set "device": "cpu" here; put the optimizer state on '
+              'NVMe with "offload_optimizer": {"device": "nvme", "nvme_path": ...}.')
+    if value not in ("none", "cpu", "nvme"):
+        _fail(key, value, "not a valid offload device", 'Use "none", "cpu" or "nvme".')
     return value
+
+
+def _nvme_path(key: str, value: Any) -> str | None:
+    """Converter for ``nvme_path``: null or a non-empty path string (checked at initialize)."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.strip():
+        _fail(key, value, "expected a folder path", 'Write e.g. "/local_nvme" (a folder on a local NVMe drive).')
+    return value
+
+
+def _buffer_count(key: str, value: Any) -> int:
+    """Converter for ``offload_optimizer.buffer_count``: at least 1 staging buffer."""
+    return _to_int(key, value, 1)
+
+
+def _block_size(key: str, value: Any) -> int:
+    """Converter for ``aio.block_size``: a positive multiple of 4096 bytes (direct I/O)."""
+    size = _to_int(key, value, 4096)
+    if size % 4096:
+        _fail(key, value, "must be a multiple of 4096 (direct I/O alignment)", "Write e.g. 1048576.")
+    return size
 
 
 def _ratio(key: str, value: Any) -> float:
@@ -746,6 +803,10 @@ _PLACEMENT_RULES: dict[str, _Rule] = {
                                'zero3 only: device bytes left for activations under an "auto" budget ("auto", '
                                "the default: measured over the first accumulation window, then the state is "
                                "placed once)"),
+    "host_budget": _Map("host_budget", bytes_or_auto,
+                        'zero3 only, with offload_optimizer.device "nvme": host bytes the offloaded optimizer '
+                        'sides may hold ("auto", the default: none, all of them on NVMe as DeepSpeed; or bytes, '
+                        '"100GiB"); the units past it have their masters and optimizer state in swap files'),
 }
 
 
@@ -759,27 +820,37 @@ def _overlap_step(key: str, value: Any) -> bool | str:
 
 
 _OFFLOAD_COMMON: dict[str, _Rule] = {
-    "device": _Map("device", _offload_device, '"none" or "cpu": where the shards live between uses; '
-                   '"nvme" is refused'),
     "pin_memory": _Map("pin_memory", _bool, "page-locked CPU buffers for asynchronous copies "
                        "(DeepSpeed's default: true)"),
-    "nvme_path": _off(None, f"{_NVME}; the path is used only with device nvme", "Remove the key "
-                      'and use "device": "cpu".'),
 }
 
 _OFFLOAD_PARAM_RULES: dict[str, _Rule] = {
+    "device": _Map("device", _offload_device, '"none" or "cpu": where the parameter shards live between '
+                   'uses; "nvme" is refused (parameter shards on NVMe are not implemented)'),
     **_OFFLOAD_COMMON,
+    "nvme_path": _off(None, f"{_NVME} for parameter shards; the path is used only with device nvme",
+                      'Remove the key (offload_optimizer.nvme_path puts the optimizer state on NVMe).'),
     "buffer_count": _off(5, f"{_NVME}; DeepSpeed uses buffer_count only with device nvme"),
     "buffer_size": _off(100_000_000, f"{_NVME}; DeepSpeed uses buffer_size only with device nvme"),
     "max_in_cpu": _off(1_000_000_000, f"{_NVME}; DeepSpeed uses max_in_cpu only with device nvme"),
 }
 
 _OFFLOAD_OPTIMIZER_RULES: dict[str, _Rule] = {
+    "device": _Map("device", _offload_device, '"none", "cpu" or "nvme": where the optimizer side (gradient '
+                   'shards, fp32 masters, optimizer state) lives; "nvme": the host up to placement.host_budget, '
+                   "the masters and optimizer state of the rest in swap files under nvme_path"),
     **_OFFLOAD_COMMON,
-    "buffer_count": _off(4, f"{_NVME}; DeepSpeed uses buffer_count only with device nvme"),
-    "pipeline_read": _off(False, f"{_NVME}; pipelined reads are an NVMe feature"),
-    "pipeline_write": _off(False, f"{_NVME}; pipelined writes are an NVMe feature"),
-    "fast_init": _off(False, f"{_NVME}; fast_init applies to NVMe optimizer state"),
+    "nvme_path": _Map("nvme_path", _nvme_path, 'device "nvme": the folder of the per-rank swap files (must '
+                      "exist, be writable and hold the state; checked at initialize)"),
+    "buffer_count": _Map("buffer_count", _buffer_count, 'device "nvme": host staging buffers, each the size of '
+                         "the largest swapped sub-group (DeepSpeed's default: 4; 2 or more let reads and "
+                         "writes overlap the update)"),
+    "pipeline_read": _Map("pipeline_read", _bool, 'device "nvme": read the next sub-group while the current one '
+                          "steps (zero3's default: true)"),
+    "pipeline_write": _Map("pipeline_write", _bool, 'device "nvme": write a stepped sub-group back while the '
+                           "next one steps (zero3's default: true)"),
+    "fast_init": _off(False, "zero3 writes each swapped sub-group once at initialize; there is no slower path "
+                      "for fast_init to skip"),
     "ratio": _Map("ratio", _ratio, "DeepSpeed's share of the optimizer state on the host (0 to 1): of the "
                   "fetch units with trainable parameters, in module order, the first int((1 - ratio) * n) keep "
                   "their optimizer state on the device and step there; without it, placement.gpu_budget "
@@ -794,6 +865,9 @@ _OFFLOAD_OPTIMIZER_RULES: dict[str, _Rule] = {
 }
 
 
+_NVME_ONLY = ("nvme_path", "buffer_count", "pipeline_read", "pipeline_write")
+
+
 def _offload(rules: Mapping[str, _Rule]) -> Converter:
     """Converter for an ``offload_param`` / ``offload_optimizer`` section."""
     def convert(key: str, value: Any) -> OffloadConfig:
@@ -802,8 +876,24 @@ def _offload(rules: Mapping[str, _Rule]) -> Converter:
         values = _parse_section(_Section(key, rules, auto_is_default=True), value)
         values.setdefault("device", "none")
         values.setdefault("pin_memory", True)  # DeepSpeed 0.19.8's default when offloading
+        _check_nvme_keys(key, values, value)
         return OffloadConfig(**values)
     return convert
+
+
+def _check_nvme_keys(key: str, values: dict[str, Any], raw: dict) -> None:
+    """device "nvme" needs nvme_path; the NVMe keys mean nothing with another device (a
+    DeepSpeed default value is accepted there: it changes nothing)."""
+    if values["device"] == "nvme" and not values.get("nvme_path"):
+        _fail(f"{key}.nvme_path", None, 'device "nvme" needs the folder of the swap files',
+              'Add "nvme_path": "/local_nvme" (a folder on a local NVMe drive).')
+    defaults = {"nvme_path": None, "buffer_count": 4, "pipeline_read": False, "pipeline_write": False}
+    if values["device"] != "nvme":
+        for name in _NVME_ONLY:
+            if name in values and not _same(raw.get(name), defaults[name]):
+                _fail(f"{key}.{name}", raw.get(name), f"has an effect only with device \"nvme\" (device is "
+                      f"{_show(values['device'])})", 'Remove the key, or set "device": "nvme".')
+            values.pop(name, None)
 
 
 _LEAF_RULES: dict[str, _Rule] = {
@@ -1350,10 +1440,25 @@ def activation_checkpointing_of(config: "dict | str | os.PathLike") -> Activatio
     return _activation_checkpointing("activation_checkpointing", raw.get("activation_checkpointing") or {})
 
 
-_AIO_DEFAULTS = {
-    "block_size": 1048576, "queue_depth": 8, "intra_op_parallelism": 1, "single_submit": False,
-    "overlap_events": True, "use_gds": False,
+_AIO_RULES: dict[str, _Rule] = {
+    "block_size": _Map("block_size", _block_size, "bytes per read or write call of the swap files (a multiple "
+                       "of 4096; DeepSpeed's default 1 MiB)"),
+    "queue_depth": _Map("queue_depth", _int(1), "calls of one sub-group's read or write in flight at once "
+                        "(DeepSpeed's default 8)"),
+    "intra_op_parallelism": _Map("intra_op_parallelism", _int(1), "I/O threads (DeepSpeed's default 1)"),
+    "thread_count": _Map("intra_op_parallelism", _int(1), "older DeepSpeed's name of intra_op_parallelism"),
+    "single_submit": _Map("single_submit", _bool, "issue the calls of a request one after another instead of "
+                          "queue_depth at a time"),
+    "overlap_events": _Map("overlap_events", _bool, "issue the next window of calls while the last completes "
+                           "(true) or after it (false)"),
+    "use_gds": _Only(_is(False), "false (DeepSpeed's default)", "GPUDirect Storage moves files to GPU memory, "
+                     "and zero3 steps NVMe state on the CPU through host buffers", _REMOVE),
 }
+
+
+def _aio(key: str, value: Any) -> AioConfig:
+    """Converter for the ``aio`` section."""
+    return AioConfig(**_parse_section(_Section(key, _AIO_RULES, auto_is_default=True), value))
 _PIPELINE_DEFAULTS = {
     "stages": "auto", "partition": "best", "seed_layers": False, "activation_checkpoint_interval": 0,
     "pipe_partitioned": True, "grad_partitioned": True,
@@ -1436,8 +1541,7 @@ _TOP_RULES: dict[str, _Rule] = {
     "activation_checkpointing": _Map("activation_checkpointing", _activation_checkpointing,
                                      "zero3.checkpointing.checkpoint's options (DeepSpeed's "
                                      "deepspeed.checkpointing); see the activation_checkpointing table"),
-    "aio": _Only(_defaults_only(_AIO_DEFAULTS), _shown_defaults(_AIO_DEFAULTS),
-                 "aio configures NVMe offload, which zero3 does not support", _REMOVE),
+    "aio": _Map("aio", _aio, "how NVMe swap reads and writes are issued; see the aio table"),
     "pipeline": _Inert("DeepSpeed reads it only for a PipelineModule, and zero3 has no pipeline parallelism"),
     "tensor_parallel": _Only(_no_tensor_parallel, "{} or {\"autotp_size\": 0 or 1}",
                              "tensor parallelism is not implemented", _REMOVE),
@@ -1561,6 +1665,21 @@ def _load(config: "dict | str | os.PathLike") -> dict:
     return loaded
 
 
+def _check_nvme_settings(values: dict[str, Any]) -> None:
+    """placement.host_budget decides between the host and NVMe: it needs the NVMe tier; an
+    asynchronous save holds a host copy of all of a rank's state, which the tier avoids."""
+    nvme = values.get("zero", ZeroConfig()).offload_optimizer.nvme
+    if nvme and values.get("_checkpoint", {}).get("async_save"):
+        _fail("checkpoint.async_save", True, 'keeps a host copy of all of a rank\'s state, and '
+              'offload_optimizer.device "nvme" is there because the host cannot hold it', "Remove the key "
+              "(saves then stream the state from the swap files), or offload the optimizer to \"cpu\".")
+    budget = values.get("_placement", {}).get("host_budget")
+    if budget is not None and not nvme:
+        _fail("placement.host_budget", budget, 'splits the optimizer state between the host and NVMe, and '
+              'offload_optimizer.device is not "nvme"', 'Remove the key, or set offload_optimizer.device to '
+              '"nvme" with an nvme_path.')
+
+
 def from_deepspeed(config: "dict | str | os.PathLike", world_size: int) -> Zero3Config:
     """Parse and validate a DeepSpeed config for ``world_size`` data-parallel ranks.
 
@@ -1574,6 +1693,7 @@ def from_deepspeed(config: "dict | str | os.PathLike", world_size: int) -> Zero3
     values["_bf16_key"] = "bfloat16" if "bfloat16" in raw else "bf16"
     tbs, micro, gas = _batch_sizes(values.get(_TBS), values.get(_MICRO), values.get(_GAS), world_size)
     timers = values.get("_timers", {})
+    _check_nvme_settings(values)
     return Zero3Config(
         train_batch_size=tbs,
         train_micro_batch_size_per_gpu=micro,
@@ -1604,6 +1724,7 @@ def from_deepspeed(config: "dict | str | os.PathLike", world_size: int) -> Zero3
         throughput_timer_synchronized=timers.get("throughput_timer_synchronized", True),
         activation_checkpointing=values.get("activation_checkpointing", ActivationCheckpointingConfig()),
         raw=copy.deepcopy(raw),
+        aio=values.get("aio", AioConfig()),
     )
 
 
@@ -1624,6 +1745,7 @@ _DOC_SECTIONS: tuple[tuple[str, Mapping[str, _Rule], str], ...] = (
     ("checkpoint", _CHECKPOINT_RULES, ""),
     ("activation_checkpointing", _ACTIVATION_CHECKPOINTING_RULES, "activation_checkpointing."),
     ("placement", _PLACEMENT_RULES, "placement."),
+    ("aio", _AIO_RULES, "aio."),
     ("timers", _TIMERS_RULES, ""),
     ("timers.throughput", _THROUGHPUT_RULES, ""),
     ("optimizer", _OPTIMIZER_HEADER, "optimizer."),

@@ -487,7 +487,10 @@ class Engine(EngineSurface, nn.Module):
 
     def _take_down(self) -> None:
         if self.optimizer is not None:
-            self.optimizer.background.close()
+            try:
+                self.optimizer.background.close()
+            finally:
+                self.optimizer.swap.close()  # the NVMe tier's swap files removed
         self.fetcher.release_all()
         self.fetcher.gather(self.table.values())
         self.fetcher.remove()

@@ -163,7 +163,7 @@ def _estimate(tensors: list[_Tensor], units: list[int], world: int, parsed: Zero
     resident = [t for i, t in enumerate(tensors) if i in chosen]
     shard = {t.name: math.ceil(t.numel / world) for t in tensors}
     host_params = zero.offload_param.device == "cpu"
-    host_optim = zero.offload_optimizer.device == "cpu"
+    host_optim = zero.offload_optimizer.enabled  # "cpu", or "nvme" (the host before the files)
     states, step_bytes = _optimizer_states(parsed)
 
     def elem_width(t: _Tensor) -> int:
@@ -230,7 +230,8 @@ def estimate_placement(model: nn.Module | int, world_size: int, config: dict | s
     sizes = tuple(UnitSize(name, sum(math.ceil(n / world_size) for n, _ in params) * width,
                            sum(math.ceil(n / world_size) for n, t in params if t) * per_state,
                            sum(n for n, _ in params) * width,
-                           sum(math.ceil(n / world_size) for n, t in params if t) * GRADIENT_BYTES)
+                           grad_bytes=sum(math.ceil(n / world_size) for n, t in params if t) * GRADIENT_BYTES,
+                           swap_bytes=sum(math.ceil(n / world_size) for n, t in params if t) * (per_state - GRADIENT_BYTES))
                   for name, params in units)
     working = working_set_bytes(
         [sum(n for n, _ in params) for _, params in units], sum(n for i, n in enumerate(numels) if i not in chosen),
@@ -241,7 +242,8 @@ def estimate_placement(model: nn.Module | int, world_size: int, config: dict | s
     plan = make_plan(PlanInputs(sizes, zero.offload_param.enabled, zero.offload_optimizer.enabled,
                                 zero.offload_optimizer.ratio, budget, sum(numels[i] for i in chosen) * width,
                                 working, "given" if budget is not None else "none",
-                                parsed.gradient_accumulation_steps))
+                                accumulation_steps=parsed.gradient_accumulation_steps,
+                                state_nvme=zero.offload_optimizer.nvme, host_budget=parsed.placement.host_budget))
     return PlacementEstimate(plan, activation_bytes)
 
 

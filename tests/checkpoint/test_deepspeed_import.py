@@ -204,6 +204,8 @@ def test_load_every_fixture(world: int, tmp_path: Path):
         _import(cpu_adam, tmp_path / "cpu_adam_imported")
         jobs += [("load_offloaded", "seed_fp32_w2", str(cpu_adam)),
                  ("load_offloaded", "seed_fp32_w2", str(tmp_path / "cpu_adam_imported"))]
+        # saved with offload_optimizer "nvme": the swapped state in offloaded_tensors/
+        jobs.append(("load", "seed_fp32_w2", str(_as_saved_with_nvme("seed_fp32_w2", tmp_path))))
     results = run_ranks(world_worker, world, jobs, timeout=900, env=ENV)
     for job in jobs:
         per_rank = [r[job] for r in results]
@@ -258,6 +260,47 @@ def _as_saved_by_cpu_adam(name: str, tmp_path: Path) -> Path:
         _resave(path, lambda s: s["ds_config"]["zero_optimization"].update(
             offload_optimizer={"device": "cpu", "pin_memory": False}))
     return root
+
+
+def _as_saved_with_nvme(name: str, tmp_path: Path) -> Path:
+    """A copy of fixture `name` as DeepSpeed 0.19.x writes it with offload_optimizer "nvme"
+    (its engine's save path and optimizer swapper): each sub-group's fp32 flat and elementwise
+    optimizer state emptied in the optimizer file, their values in raw fp32 swap files under
+    `<tag>/offloaded_tensors/rank{r:02d}/` named by the sub-group's first and last parameter ids
+    (`{first}_{last}.tensor.swp`, `{key}-{first}_{last}.tensor.swp`), padded for alignment; a
+    gradient swap file beside them; offload_optimizer nvme in the saved config."""
+    from zero3.checkpoint.deepspeed.pickling import save_with_deepspeed_names
+    from zero3.checkpoint.deepspeed.unpickle import load_deepspeed_file
+
+    root = _copy(name, tmp_path / "nvme")
+    tag = root / (root / "latest").read_text().strip()
+    for rank, path in enumerate(sorted(tag.glob("*optim_states.pt"))):
+        state = load_deepspeed_file(path)
+        swap = tag / "offloaded_tensors" / f"rank{rank:02d}"
+        swap.mkdir(parents=True)
+        inner = state["optimizer_state_dict"]["optimizer_state_dict"]
+        indices = [i for group in inner["param_groups"] for i in group["params"]]
+        for i, flat in enumerate(state["optimizer_state_dict"]["fp32_flat_groups"]):
+            stem = f"{9 * i + 2}_{9 * i + 8}"  # ids sort numerically, not as text (2 < 11)
+            _write_swap(swap / f"{stem}.tensor.swp", flat)
+            state["optimizer_state_dict"]["fp32_flat_groups"][i] = torch.empty(0)
+            for key, value in inner["state"][indices[i]].items():
+                if isinstance(value, torch.Tensor) and value.numel() == flat.numel():
+                    _write_swap(swap / f"{key}-{stem}.tensor.swp", value)
+                    inner["state"][indices[i]][key] = torch.empty(0)
+        (swap / f"2_gradient_0_{flat.numel()}.tensor.swp").write_bytes(b"\0" * 64)
+        save_with_deepspeed_names(state, path.with_name(path.name + ".new"))
+        os.replace(path.with_name(path.name + ".new"), path)
+    for path in tag.glob("*model_states.pt"):
+        _resave(path, lambda s: s["ds_config"]["zero_optimization"].update(
+            offload_optimizer={"device": "nvme", "nvme_path": "/local_nvme"}))
+    return root
+
+
+def _write_swap(path: Path, tensor: torch.Tensor) -> None:
+    padded = torch.zeros(-(-tensor.numel() // 256) * 256, dtype=torch.float32)
+    padded[:tensor.numel()] = tensor.detach().float().reshape(-1)
+    path.write_bytes(padded.numpy().tobytes())
 
 
 def _refusal(root: Path) -> str:
@@ -319,13 +362,14 @@ def test_unsupported_layouts_refused_by_name(tmp_path: Path):
             tag / "zero_pp_rank_0_mp_rank_00_model_states.pt", tag / "zero_pp_rank_0_mp_rank_01_model_states.pt"),
         "MoE expert files": lambda tag: (tag / "layer_0_expert_0_mp_rank_00_model_states.pt").write_bytes(b""),
         "universal checkpoint": lambda tag: (tag / "zero" / "adapter.adapter_A.weight").mkdir(parents=True),
-        "'nvme'": lambda tag: [_resave(path, lambda s: s["ds_config"]["zero_optimization"].update(
-            offload_optimizer={"device": "nvme", "nvme_path": "/local"})) for path in tag.glob("*model_states.pt")],
     }
     for index, (needle, damage) in enumerate(cases.items()):
         root = _copy("seed_fp32_w2", tmp_path / str(index))
         damage(root / "global_step2")
         assert needle in _refusal(root), needle
+    nvme = _as_saved_with_nvme("seed_fp32_w2", tmp_path / "nvme_missing")
+    shutil.rmtree(nvme / "global_step2" / "offloaded_tensors" / "rank01")
+    assert "offloaded_tensors/rank01: missing" in _refusal(nvme)
 
 
 def test_inspect_recognizes_deepspeed(capsys):

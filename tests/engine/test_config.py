@@ -283,11 +283,36 @@ def test_zero_optimization_boolean_form_refused():
     assert "deprecated" in error_of({"train_batch_size": 2, "zero_optimization": True})
 
 
-@pytest.mark.parametrize("which", ["offload_param", "offload_optimizer"])
-def test_offload_nvme_refused(which):
-    message = error_of({"train_batch_size": 2, "zero_optimization": {which: {"device": "nvme"}}})
-    assert message.startswith(f"zero_optimization.{which}.device:")
-    assert "not supported; use cpu" in message
+def test_offload_param_nvme_refused():
+    message = error_of({"train_batch_size": 2, "zero_optimization": {"offload_param": {"device": "nvme"}}})
+    assert message.startswith("zero_optimization.offload_param.device:")
+    assert "parameter shards on NVMe are not implemented" in message
+
+
+def test_offload_optimizer_nvme_keys():
+    z = zero(offload_optimizer={"device": "nvme", "nvme_path": "/nvme", "buffer_count": 2, "pipeline_read": False},
+             offload_param=None).zero.offload_optimizer
+    assert (z.nvme, z.enabled, z.nvme_path, z.buffer_count, z.pipeline_read, z.pipeline_write) == \
+        (True, True, "/nvme", 2, False, True)
+    no_path = error_of({"train_batch_size": 2, "zero_optimization": {"offload_optimizer": {"device": "nvme"}}})
+    assert no_path.startswith("zero_optimization.offload_optimizer.nvme_path:") and "nvme_path" in no_path
+    on_cpu = error_of({"train_batch_size": 2, "zero_optimization": {"offload_optimizer": {
+        "device": "cpu", "nvme_path": "/nvme"}}})
+    assert 'only with device "nvme"' in on_cpu
+    assert zero(offload_optimizer={"device": "cpu", "buffer_count": 4}).zero.offload_optimizer.nvme_path is None
+    budget = error_of({"train_batch_size": 2, "placement": {"host_budget": "1GiB"}})
+    assert budget.startswith("placement.host_budget:")
+    nvme = {"offload_optimizer": {"device": "nvme", "nvme_path": "/nvme"}}
+    assert "async_save" in error_of({"train_batch_size": 2, "zero_optimization": nvme,
+                                     "checkpoint": {"async_save": True}})
+
+
+def test_aio_section():
+    c = parse(aio={"block_size": 8192, "queue_depth": 4, "thread_count": 3, "single_submit": True,
+                   "overlap_events": False, "use_gds": False})
+    assert c.aio == cfg.AioConfig(8192, 4, 3, True, False)
+    assert "multiple of 4096" in error_of({"train_batch_size": 2, "aio": {"block_size": 5000}})
+    assert "GPUDirect" in error_of({"train_batch_size": 2, "aio": {"use_gds": True}})
 
 
 def test_offload_pin_memory_defaults_to_deepspeeds_true():

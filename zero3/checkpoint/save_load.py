@@ -266,12 +266,13 @@ def _rank_tensors(model: ShardedModel, optimizer: OptimizerAccess, exclude_froze
     specs: list[TensorSpec] = []
     producers: list[Callable[[], torch.Tensor]] = []
     kinds: dict[str, dict[str, Any]] = {}
-    masters = optimizer.masters()
-    optimizer_state = optimizer.state() if optimizer_state is None else optimizer_state
+    masters = optimizer.masters(paged_in=False)  # NVMe-tier ones streamed from their files below
+    optimizer_state = optimizer.state(paged_in=False) if optimizer_state is None else optimizer_state
 
-    def add(name: str, tensor: torch.Tensor) -> None:
-        specs.append(TensorSpec(name, tensor.dtype, tuple(tensor.shape)))
-        producers.append(lambda: tensor)
+    def add(name: str, tensor: torch.Tensor, first: int | None = None) -> None:
+        """`tensor` (its `first` elements, when given), read when the file is written."""
+        specs.append(TensorSpec(name, tensor.dtype, tuple(tensor.shape) if first is None else (first,)))
+        producers.append(lambda: optimizer.readable(tensor) if first is None else optimizer.readable(tensor)[:first])
 
     for sp in _saved_params(model.table, exclude_frozen):
         valid = sp.local_valid_numel
@@ -285,13 +286,13 @@ def _rank_tensors(model: ShardedModel, optimizer: OptimizerAccess, exclude_froze
         if master is None:
             continue
         if info["master"]:
-            add(f"master/{sp.name}", master[:valid])
+            add(f"master/{sp.name}", master, valid)
         for key, value in optimizer_state.get(master, {}).items():
             if not isinstance(value, torch.Tensor):
                 continue
             if value.shape == master.shape:
                 info["optim"][str(key)] = "elementwise"
-                add(f"optim/{sp.name}/{key}", value[:valid])
+                add(f"optim/{sp.name}/{key}", value, valid)
             else:
                 info["optim"][str(key)] = "whole"
                 add(f"optim_whole/{sp.name}/{key}", value)
@@ -333,8 +334,8 @@ def _common_state(optimizer: OptimizerAccess, scheduler: Any, counters: StepCoun
     given (`ds_config`: export-deepspeed reads its sub_group_size and optimizer from it)."""
     groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups()]
     extras: dict[str, dict[str, Any]] = {}
-    state = optimizer.state()
-    for sp, master in optimizer.stepped():
+    state = optimizer.state(paged_in=False)  # its non-tensor values only
+    for sp, master in optimizer.stepped(paged_in=False):
         plain = {k: v for k, v in state.get(master, {}).items() if not isinstance(v, torch.Tensor)}
         if plain:
             extras[sp.name] = plain
@@ -361,7 +362,7 @@ def _plain_config(config: dict | None) -> dict | None:
 def _param_group_members(optimizer: OptimizerAccess) -> list[list[str]]:
     """Each optimizer param group's parameter names, in the group's order (what a DeepSpeed
     export needs to rebuild its sub-groups; checkpoint/deepspeed/exporter.py)."""
-    name_of = {id(master): sp.name for sp, master in optimizer.stepped()}
+    name_of = {id(master): sp.name for sp, master in optimizer.stepped(paged_in=False)}
     return [[name_of[id(m)] for m in g["params"] if id(m) in name_of] for g in optimizer.param_groups()]
 
 
@@ -826,6 +827,7 @@ def _apply_param(optimizer: OptimizerAccess, world_size: int, sp: ShardedParam, 
     master = masters.get(id(sp))
     if master is None:
         return
+    optimizer.loosen(master)  # an NVMe-tier master and its state in memory, one swap group at a time
     if master is not sp.shard:
         if plan.restore_optimizer and entry.get("master"):
             _fill(master, reader.read_range(f"master/{sp.name}", numel, start, end))
@@ -833,7 +835,7 @@ def _apply_param(optimizer: OptimizerAccess, world_size: int, sp: ShardedParam, 
             _fill(master, sp.shard)
     if plan.restore_optimizer:
         state = _optimizer_state_of(world_size, sp, reader, plan, master, groups[id(master)])
-        optimizer_state = optimizer.state()
+        optimizer_state = optimizer.state(paged_in=False)
         if state:
             optimizer_state[master] = state
         else:
@@ -880,7 +882,7 @@ def _apply_tensors(model: ShardedModel, optimizer: OptimizerAccess, placement: P
     """Parameters, masters, optimizer state, buffers and late parameters from the saved
     tensors; returns the saved gradient shards (new tensors where `placement` puts them) to set
     once the gradients of the current window are dropped."""
-    masters = optimizer.masters()
+    masters = optimizer.masters(paged_in=False)  # each brought in by _apply_param, then written back
     groups = {id(p): g for g in optimizer.param_groups() for p in g["params"]}
     grads: list[tuple[ShardedParam, torch.Tensor]] = []
     with plan.open_reader() as reader:
@@ -896,6 +898,7 @@ def _apply_tensors(model: ShardedModel, optimizer: OptimizerAccess, placement: P
                     buffer.copy_(reader.read_whole(f"buffer/{name}"))
         restore_late(model.module, model.table, plan.manifest.get("late_params", {}), reader.read_whole,
                      model.comm.rank)
+    optimizer.store_loose()
     return grads
 
 

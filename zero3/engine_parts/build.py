@@ -27,6 +27,7 @@ from zero3.grads.reduce import GradReducer
 from zero3.grads.usage import GradUsage
 from zero3.optim.host_step import BackgroundStep
 from zero3.optim.masters import ShardedOptimizer
+from zero3.optim.nvme_state import OptimizerSwap
 from zero3.optim.optimizers import build_optimizer, build_scheduler
 from zero3.params.fetch import Fetcher
 from zero3.params.fetch_unit import FetchUnit
@@ -245,19 +246,23 @@ def build_sharded_optimizer(config: Zero3Config, client: torch.optim.Optimizer |
                             placement: Placement, fetcher: Fetcher, usage: GradUsage,
                             background: BackgroundStep | None) -> ShardedOptimizer | None:
     """The client optimizer over fp32 master shards (None without one); `usage` tells it
-    which parameters got no gradient in a window (grads/usage.py)."""
+    which parameters got no gradient in a window (grads/usage.py). With offload_optimizer
+    "nvme" it holds the NVMe tier (optim/nvme_state.py; a collective: every rank checks its
+    swap folder)."""
     if client is None:
         return None
     zero = config.zero
+    swap = OptimizerSwap(zero.offload_optimizer, config.aio) if zero.offload_optimizer.nvme else None
     return ShardedOptimizer(
         client, table, comm, placement, config.gradient_clipping,
         check_overflow=config.precision.check_grad_overflow,
-        pin_memory=zero.offload_optimizer.device == "cpu" and zero.offload_optimizer.pin_memory,
+        pin_memory=zero.offload_optimizer.enabled and zero.offload_optimizer.pin_memory,
         sub_group_numel=zero.sub_group_size,
         unit_order=fetcher.params_in_forward_order if background is not None else None,
         usage=usage,
         background=background,
         leaf_modules={unit.module: unit.params for unit in fetcher.units if unit.leaf},
+        swap=swap,
     )
 
 

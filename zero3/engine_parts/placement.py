@@ -76,8 +76,9 @@ def unit_sizes(units: list[FetchUnit], rules: SizeRules, trains: bool) -> tuple[
         state_bytes = sum(sp.shard_numel for sp in unit.params if sp.requires_grad) * rules.per_state_element \
             if trains else 0
         gathered = sum(sp.numel * sp.param.element_size() for sp in unit.params)
-        grad_bytes = sum(sp.shard_numel for sp in unit.params if sp.requires_grad) * GRADIENT_BYTES if trains else 0
-        sizes.append(UnitSize(unit.name, param_bytes, state_bytes, gathered, grad_bytes))
+        grads = sum(sp.shard_numel for sp in unit.params if sp.requires_grad) * GRADIENT_BYTES if trains else 0
+        sizes.append(UnitSize(unit.name, param_bytes, state_bytes, gathered, grad_bytes=grads,
+                              swap_bytes=state_bytes - grads))
     return tuple(sizes)
 
 
@@ -95,8 +96,13 @@ def resident_bytes(table: dict) -> int:
 
 
 def plan_inputs(config: Zero3Config, table: dict, units: list[FetchUnit], optimizer: torch.optim.Optimizer | None,
-                choice: BudgetChoice) -> PlanInputs:
+                choice: BudgetChoice, current: Placement | None = None) -> PlanInputs:
+    """What the plan is made from; `current`: the placement a re-plan starts from (its NVMe
+    units stay on NVMe and no other joins them: the NVMe tier is fixed at initialize)."""
     rules = SizeRules.of(config, optimizer)
+    nvme = None
+    if current is not None and current.plan is not None and config.zero.offload_optimizer.nvme:
+        nvme = tuple(u.name for u in current.plan.units if u.state is Tier.NVME)
     zero = config.zero
     return PlanInputs(
         units=unit_sizes(units, rules, trains=optimizer is not None),
@@ -108,6 +114,9 @@ def plan_inputs(config: Zero3Config, table: dict, units: list[FetchUnit], optimi
         working_bytes=working_set(config, table, units, rules) if choice.charges_working_set else 0,
         budget_source=choice.source,
         accumulation_steps=config.gradient_accumulation_steps,
+        state_nvme=zero.offload_optimizer.nvme,
+        host_budget=config.placement.host_budget,
+        nvme_units=nvme,
     )
 
 
@@ -195,6 +204,7 @@ def move_to_plan(owners: PlacementOwners, plan: Plan) -> int:
     flight, no gradient held); the placement then says `plan`. Returns the parameters moved."""
     if owners.optimizer is not None:
         owners.optimizer.wait()
+    _refuse_nvme_moves(owners.placement, owners.units, plan)
     placement, moved = owners.placement, 0
     pin = owners.config.zero.offload_param.pin_memory
     for unit in owners.units:
@@ -215,6 +225,20 @@ def move_to_plan(owners: PlacementOwners, plan: Plan) -> int:
     if owners.optimizer is not None:
         owners.optimizer.placement_changed()
     return moved
+
+
+def _refuse_nvme_moves(placement: Placement, units: list[FetchUnit], plan: Plan) -> None:
+    """The NVMe tier is fixed at initialize: a plan that takes a unit's optimizer side onto
+    it or off it is refused before anything moves."""
+    for unit in units:
+        for sp in unit.params[:1]:
+            now, new = placement.state_tier(sp), plan.state_tier(unit.name)
+            if now is not new and Tier.NVME in (now, new):
+                raise PlacementError(
+                    f"the new placement moves the optimizer state of unit {unit.name!r} from {now.value} to "
+                    f"{new.value}; the NVMe tier is decided at initialize (placement.host_budget, "
+                    "offload_optimizer.device) and does not change while training: keep the budget, or "
+                    "save a checkpoint and load it into an engine built with the new one")
 
 
 class MeasuredPlacement:
@@ -260,7 +284,7 @@ class MeasuredPlacement:
         it is when the union would not fit."""
         owners = self.owners
         inputs = plan_inputs(owners.config, owners.table, owners.units, owners.client_optimizer,
-                             BudgetChoice(budget, False, False, source))
+                             BudgetChoice(budget, False, False, source), owners.placement)
         plan = widened(current, make_plan(inputs), inputs)
         if plan.device_bytes <= budget and plan.counts() != current.counts():
             moved = move_to_plan(owners, plan)
@@ -272,7 +296,8 @@ class MeasuredPlacement:
         nothing, when it cannot hold what must be on the device."""
         owners = self.owners
         choice = BudgetChoice(budget, False, charges_working_set, source)
-        plan = make_plan(plan_inputs(owners.config, owners.table, owners.units, owners.client_optimizer, choice))
+        plan = make_plan(plan_inputs(owners.config, owners.table, owners.units, owners.client_optimizer, choice,
+                                     owners.placement))
         moved = move_to_plan(owners, plan)
         if self.rank == 0:
             logger.info("zero3: %s (%d parameters moved)", plan.describe(), moved)

@@ -9,7 +9,10 @@ accessors each take the view they read instead of the engine:
 - `OptimizerAccess`: the fp32 masters and the client optimizer's state and param groups,
   each read only after any update still running behind the forward is complete
   (optim/host_step.py), so a reader never sees a half-applied step. Without an optimizer it
-  reads as empty: no masters, no state, no groups.
+  reads as empty: no masters, no state, no groups. Masters and state of the NVMe tier
+  (optim/nvme_state.py) are brought into host memory before they are handed out, unless
+  the reader asks for them as they are (`paged_in=False`) and reads each through
+  `readable` (checkpoint saves, streaming from the swap files) or `loosen` (loads).
 - `ShardedTraining`: what a public function that takes an engine reads of it (these two
   views), so such a function unpacks the engine once and passes the views on.
 
@@ -65,34 +68,62 @@ class OptimizerAccess:
         """Wait for the update in flight, if any (a no-op without an optimizer)."""
         settle(self.sharded)
 
-    def masters(self) -> dict[int, torch.Tensor]:
+    def _paged_in(self, paged_in: bool) -> None:
+        """After the update in flight; with `paged_in`, the NVMe tier's state in host memory
+        (until the next step writes it back: optim/nvme_state.py)."""
+        self.sharded.wait()
+        if paged_in:
+            self.sharded.swap.materialize()
+
+    def masters(self, paged_in: bool = True) -> dict[int, torch.Tensor]:
         """id(ShardedParam) -> its fp32 master; empty without an optimizer."""
-        return self.sharded.settled_masters() if self.sharded is not None else {}
+        if self.sharded is None:
+            return {}
+        self._paged_in(paged_in)
+        return self.sharded.settled_masters()
 
     def master_of(self, sp: ShardedParam) -> torch.Tensor | None:
         """The fp32 master of `sp`, or None for a parameter the optimizer does not step."""
-        return self.sharded.master_of(sp) if self.sharded is not None else None
+        if self.sharded is None:
+            return None
+        self._paged_in(True)
+        return self.sharded.master_of(sp)
 
-    def stepped(self) -> Iterator[tuple[ShardedParam, torch.Tensor]]:
+    def stepped(self, paged_in: bool = True) -> Iterator[tuple[ShardedParam, torch.Tensor]]:
         """(parameter, master) for every parameter the optimizer steps, in its order."""
         if self.sharded is None:
             return iter(())
-        self.sharded.wait()
+        self._paged_in(paged_in)
         return zip(self.sharded.params, self.sharded.masters)
 
-    def state(self) -> dict[Any, dict[str, Any]]:
+    def state(self, paged_in: bool = True) -> dict[Any, dict[str, Any]]:
         """The client optimizer's per-master state (keyed by master tensor)."""
         if self.sharded is None:
             return {}
-        self.sharded.wait()
+        self._paged_in(paged_in)
         return self.sharded.optimizer.state
+
+    def readable(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A master or state tensor (or a view of one) read as `masters(paged_in=False)` gave
+        it: its values, read from its swap file when it is on the NVMe tier and parked."""
+        return self.sharded.swap.readable(tensor) if self.sharded is not None else tensor
+
+    def loosen(self, master: torch.Tensor) -> None:
+        """`master` and its state in host memory, to be written (one NVMe swap group at a
+        time: the one loosened before is written back); `store_loose()` when done."""
+        if self.sharded is not None:
+            self.sharded.swap.loosen(master)
+
+    def store_loose(self) -> None:
+        if self.sharded is not None:
+            self.sharded.swap.store_loose()
 
     def foreseen_state(self) -> dict[Any, dict[str, Any]]:
         """`state()` as it will be once every master has stepped: a master without state yet
         gets the state its first step creates, as meta tensors (optim/state_probe.py)."""
         if self.sharded is None:
             return {}
-        self.sharded.wait()
+        self._paged_in(True)
         return foreseen_state(self.sharded.optimizer)
 
     def param_groups(self) -> list[dict[str, Any]]:

@@ -19,7 +19,8 @@ Step, at the gradient-accumulation boundary:
   resident parameters re-gathered; grads dropped.
 
 Where each sub-group steps: a sub-group holds parameters of one tier only. Device-tier
-sub-groups step in `step()` (fused kernels on the GPU); host-tier ones too, or, with the
+sub-groups step in `step()` (fused kernels on the GPU); host-tier ones (and NVMe-tier ones,
+read in and written back around their update by optim/nvme_state.py) too, or, with the
 overlapped host step (optim/host_step.py), on a worker thread behind the next forward. Sub-groups then
 also end at fetch-unit ends, in the order the units were entered in the last forward
 (resident parameters first, since the step's own re-gather reads them), and each one is
@@ -41,6 +42,7 @@ from torch import nn
 
 from zero3.grads.usage import GradUsage
 from zero3.optim.host_step import BackgroundStep
+from zero3.optim.nvme_state import OptimizerSwap, attached
 from zero3.optim.state_moves import move_master
 from zero3.optim.write_back import ShardWriteBack, record_current_stream
 from zero3.params.partition import ShardedParam
@@ -89,12 +91,14 @@ class ShardedOptimizer:
         usage: GradUsage | None = None,
         background: BackgroundStep | None = None,
         leaf_modules: dict[nn.Module, list[ShardedParam]] | None = None,
+        swap: OptimizerSwap | None = None,
     ) -> None:
         """`sub_group_numel`: elements per optimizer call (0: all at once). `unit_order`:
         given only when the update is to run behind the next forward (see the module doc), on
         `background`, the worker the fetcher and gradient sink were built to wait for.
         `usage`: which leaf parameters got a real gradient in the window (grads/usage.py);
-        None when every gradient shard stands for a real gradient. `leaf_modules`: see leaf_parameters_of."""
+        None when every gradient shard stands for a real gradient. `leaf_modules`: see leaf_parameters_of.
+        `swap`: the NVMe tier's masters and state (optim/nvme_state.py), None without one."""
         self.optimizer = optimizer
         self.comm = comm
         self.placement = placement
@@ -114,6 +118,7 @@ class ShardedOptimizer:
         self._client_group_of = [
             index for index, group in enumerate(self.optimizer.param_groups) for _ in group["params"]]
         self.leaf_parameters = leaf_parameters_of(self.params, leaf_modules or {})
+        self.swap = attached(swap, self)
 
     # ------------------------------------------------------------------ setup
     def _master_for(self, sp: ShardedParam) -> torch.Tensor:
@@ -274,7 +279,7 @@ class ShardedOptimizer:
         if self.unit_order is not None:
             on_device = [g for g in groups if self._tier_of(g) is Tier.DEVICE]
             self._step_now(on_device, grad_scale, squared if skip_in_kernel else None, keep_others=True)
-            self._start_background([g for g in groups if self._tier_of(g) is Tier.HOST], grad_scale)
+            self._start_background([g for g in groups if self._tier_of(g) is not Tier.DEVICE], grad_scale)
             self._drop_shard_grads()  # the host masters' .grad go with their sub-group, on the worker
             return not (skip_in_kernel and not math.isfinite(self.last_grad_norm))
         self._step_now(groups, grad_scale, squared if skip_in_kernel else None, keep_others=False)
@@ -335,11 +340,11 @@ class ShardedOptimizer:
         overlapped host step; with it, the order the next forward needs them)."""
         groups = []
         for group in self._ordered_sub_groups():
-            for tier in (Tier.DEVICE, Tier.HOST):
+            for tier in Tier:
                 part = [i for i in group if self.placement.state_tier(self.params[i]) is tier]
                 groups.extend(self._split(part) if part else [])
         if self.unit_order is None:
-            groups.sort(key=lambda g: self._tier_of(g) is Tier.HOST)  # stable: device tier first
+            groups.sort(key=lambda g: self._tier_of(g) is not Tier.DEVICE)  # stable: device tier first
         return groups
 
     def _ordered_sub_groups(self) -> list[list[int]]:
@@ -407,17 +412,19 @@ class ShardedOptimizer:
         parameters whose .grad is None). One sub-group of every parameter: one plain call.
         `keep_others`: the gradients of masters in no group are put back afterwards."""
         if len(groups) == 1 and len(groups[0]) == len(self.params):
-            self.optimizer.step()
-            self._write_back_shards(groups[0])
+            with self.swap.stepping(0, groups):  # masters in memory through the write-back
+                self.optimizer.step()
+                self._write_back_shards(groups[0])
             return
         grads = [m.grad for m in self.masters]
         for master in self.masters:
             master.grad = None
-        for group in groups:
+        for k, group in enumerate(groups):
             for i in group:
                 self.masters[i].grad = grads[i]
-            self.optimizer.step()
-            self._write_back_shards(group)
+            with self.swap.stepping(k, groups):
+                self.optimizer.step()
+                self._write_back_shards(group)
             for i in group:
                 self.masters[i].grad = None
         if keep_others:
@@ -446,8 +453,9 @@ class ShardedOptimizer:
         queued = record_current_stream(self.placement.compute_device)
 
         def run(index: int) -> None:
-            shadows[index].step()
-            self._write_back_shards(groups[index], after=queued)
+            with self.swap.stepping(index, groups):
+                shadows[index].step()
+                self._write_back_shards(groups[index], after=queued)
             for i in groups[index]:
                 self.masters[i].grad = None
 
@@ -496,7 +504,6 @@ class ShardedOptimizer:
         """id(ShardedParam) -> its fp32 master, once the update in flight is complete."""
         self.wait()
         return {id(sp): master for sp, master in zip(self.params, self.masters)}
-
 
     def _write_back_shards(self, group: list[int], after: torch.cuda.Event | None = None) -> None:
         """master -> compute shard for the parameters of `group` (optim/write_back.py)."""

@@ -2,8 +2,9 @@
 
 `Placement` maps every ShardedParam (by identity) to the tier of its parameter shard and
 the tier of its optimizer side (gradient shard, master, optimizer state), and marks the
-host-side ones whose gradient is accumulated on the device (plan.py); a tier's device is
-the compute device (DEVICE) or the CPU (HOST). On a CPU run both tiers are the same memory,
+ones off the device whose gradient is accumulated on the device (plan.py); a tier's device
+is the compute device (DEVICE) or the CPU (HOST, and NVME: a piece on NVMe is read into host
+memory to step, zero3/optim/nvme_state.py). On a CPU run both tiers are the same memory,
 but the tiers still decide where each piece steps (on the device tier in `step()`, on the
 host tier behind the next forward), so the plan's logic runs there too.
 
@@ -41,7 +42,7 @@ class Placement:
         """`accumulator`: where the window's gradient sum lives (None: with the optimizer side)."""
         self._params[id(sp)] = params
         self._states[id(sp)] = state
-        if state is Tier.HOST and accumulator is Tier.DEVICE:
+        if state is not Tier.DEVICE and accumulator is Tier.DEVICE:
             self._accumulate_on_device.add(id(sp))
         else:
             self._accumulate_on_device.discard(id(sp))
@@ -60,11 +61,16 @@ class Placement:
         return self.device_of(self.state_tier(sp))
 
     def accumulates_on_device(self, sp: Any) -> bool:
-        """`sp`'s optimizer side is on the host but its gradient is summed on the device
+        """`sp`'s optimizer side is off the device but its gradient is summed on the device
         until the window's last backward (grads/sink.py)."""
         return id(sp) in self._accumulate_on_device
 
     @property
     def any_state_on_host(self) -> bool:
-        return any(tier is Tier.HOST for tier in self._states.values())
+        """Some optimizer side steps on the host (the host tier, or NVMe behind it)."""
+        return any(tier is not Tier.DEVICE for tier in self._states.values())
+
+    @property
+    def any_state_on_nvme(self) -> bool:
+        return any(tier is Tier.NVME for tier in self._states.values())
 

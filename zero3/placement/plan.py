@@ -1,4 +1,4 @@
-"""The placement planner: per fetch unit, device or host, under a byte budget.
+"""The placement planner: per fetch unit, device, host or NVMe, under byte budgets.
 
 A unit's state comes in two pieces, placed separately:
 - its *parameter shards* (this rank's slice of every parameter the unit owns, in the compute
@@ -30,8 +30,14 @@ Rules, in this order:
    stepped on the device needs its shard there to write the update; its side holds its
    gradient, so it costs its side less the accumulator it replaces). A `ratio` given with a
    budget decides the optimizer sides by rule 2; the budget then only checks that they fit.
+4. With the optimizer side offloaded to NVMe (`state_nvme`), the optimizer sides left on the
+   host stay there, in forward order, while they fit `host_budget` (None: none do, all go to
+   NVMe, as DeepSpeed puts all of it there); the rest are on the NVMe tier: their masters
+   (unless the master is the shard itself) and optimizer state live in swap files, their
+   gradient shards on the host (`UnitSize.swap_bytes` is the part in files).
 
-Invariant: `Plan.device_bytes <= Plan.budget` whenever a budget is given; `device_bytes`
+Invariant: `Plan.device_bytes <= Plan.budget` whenever a budget is given, and the host bytes
+of the optimizer sides on the host tier <= `host_budget` when one is given; `device_bytes`
 counts every tensor of the engine's own that the plan puts on the device, with the working
 set. What fits stays where the plan puts it: a plan changes only when the budget does
 (engine_parts/placement.py moves the pieces then, at a step boundary).
@@ -48,6 +54,7 @@ GIB = 1 << 30
 class Tier(str, enum.Enum):
     DEVICE = "device"
     HOST = "host"
+    NVME = "nvme"  # optimizer sides only: stepped on the host, masters and state in swap files
 
 
 class PlacementError(ValueError):
@@ -60,13 +67,16 @@ class UnitSize:
 
     `param_bytes`: its parameter shards (compute dtype). `state_bytes`: its optimizer side
     (0 for a frozen unit). `gathered_bytes`: its parameters gathered whole, while it runs.
-    `grad_bytes`: its gradient shards, the part of `state_bytes` an accumulator holds."""
+    `grad_bytes`: its gradient shards, the part of `state_bytes` an accumulator holds.
+    `swap_bytes`: the part of `state_bytes` the NVMe tier keeps in files (masters that are
+    not the shards, optimizer state); the gradient shards stay in memory."""
 
     name: str
     param_bytes: int
     state_bytes: int
     gathered_bytes: int
     grad_bytes: int = 0
+    swap_bytes: int = 0
 
     @property
     def frozen(self) -> bool:
@@ -89,8 +99,9 @@ class UnitPlacement:
 
     @property
     def accumulates_on_device(self) -> bool:
-        """The optimizer side is on the host, the window's gradient sum on the device."""
-        return self.state is Tier.HOST and self.accumulator is Tier.DEVICE
+        """The optimizer side is off the device (host or NVMe: its gradient shard is in host
+        memory), the window's gradient sum on the device."""
+        return self.state is not Tier.DEVICE and self.accumulator is Tier.DEVICE
 
 
 @dataclass(frozen=True)
@@ -114,6 +125,9 @@ class PlanInputs:
     working_bytes: int = 0
     budget_source: str = ""
     accumulation_steps: int = 1
+    state_nvme: bool = False
+    host_budget: int | None = None
+    nvme_units: tuple[str, ...] | None = None  # a re-plan: these stay on NVMe, no other joins
 
 
 @dataclass(frozen=True)
@@ -126,6 +140,7 @@ class Plan:
     host_bytes: int
     fixed_bytes: int
     budget_source: str = ""
+    nvme_bytes: int = 0
     by_name: dict[str, UnitPlacement] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -142,7 +157,8 @@ class Plan:
         return {"units": len(self.units),
                 "params_on_device": sum(u.params is Tier.DEVICE for u in self.units),
                 "state_on_device": sum(u.state is Tier.DEVICE for u in self.units),
-                "accumulators_on_device": sum(u.accumulates_on_device for u in self.units)}
+                "accumulators_on_device": sum(u.accumulates_on_device for u in self.units),
+                "state_on_nvme": sum(u.state is Tier.NVME for u in self.units)}
 
     def describe(self) -> str:
         """One line: the budget, what sits where, the predicted bytes."""
@@ -153,7 +169,9 @@ class Plan:
         return (f"placement: {budget}; parameter shards of {c['params_on_device']}/{c['units']} units and "
                 f"optimizer state of {c['state_on_device']}/{c['units']} units{accumulators} on the device; predicted "
                 f"device {self.device_bytes / GIB:.2f} GiB (fixed {self.fixed_bytes / GIB:.2f} GiB), "
-                f"host {self.host_bytes / GIB:.2f} GiB")
+                f"host {self.host_bytes / GIB:.2f} GiB"
+                + (f"; optimizer state of {c['state_on_nvme']}/{c['units']} units on NVMe, "
+                   f"{self.nvme_bytes / GIB:.2f} GiB in swap files" if c["state_on_nvme"] else ""))
 
 
 def make_plan(inputs: PlanInputs) -> Plan:
@@ -173,11 +191,35 @@ def make_plan(inputs: PlanInputs) -> Plan:
         if inputs.state_offload and inputs.accumulation_steps > 1:
             left = _fill_accumulators(units, state, accumulators, left)
         if inputs.state_offload and inputs.ratio is None:
-            _fill_states(units, params, state, accumulators, left)
+            _fill_states(units, params, state, accumulators, left, set(inputs.nvme_units or ()))
     for unit in units:
         if unit.frozen:  # no optimizer side: say it is where the shard is
             state[unit.name] = params[unit.name]
+    if inputs.nvme_units is not None:
+        state.update({name: Tier.NVME for name in inputs.nvme_units})
+    elif inputs.state_nvme:
+        _spill_to_nvme(units, state, inputs.host_budget or 0)
     return _counted(inputs, params, state, accumulators, fixed)
+
+
+def _spill_to_nvme(units: tuple[UnitSize, ...], state: dict[str, Tier], host_budget: int) -> None:
+    """Rule 4: host optimizer sides kept in forward order while they fit, the rest to NVMe."""
+    left = host_budget
+    for unit in units:
+        if unit.frozen or state[unit.name] is not Tier.HOST:
+            continue
+        if unit.state_bytes <= left:
+            left -= unit.state_bytes
+        else:
+            state[unit.name] = Tier.NVME
+
+
+def _host_and_nvme_bytes(units: tuple[UnitSize, ...], params: dict[str, Tier],
+                         state: dict[str, Tier]) -> tuple[int, int]:
+    """Host bytes (NVMe units' gradient shards among them) and bytes in swap files."""
+    nvme = sum(u.swap_bytes for u in units if state[u.name] is Tier.NVME)
+    in_memory = sum(u.state_bytes - u.swap_bytes for u in units if state[u.name] is Tier.NVME)
+    return _bytes_on(units, params, state, Tier.HOST) + in_memory, nvme
 
 
 def widened(current: Plan, proposed: Plan, inputs: PlanInputs) -> Plan:
@@ -186,7 +228,8 @@ def widened(current: Plan, proposed: Plan, inputs: PlanInputs) -> Plan:
     `inputs.budget` as its budget."""
     params = {u.name: Tier.DEVICE if Tier.DEVICE in (u.params, proposed.params_tier(u.name)) else Tier.HOST
               for u in current.units}
-    state = {u.name: Tier.DEVICE if Tier.DEVICE in (u.state, proposed.state_tier(u.name)) else Tier.HOST
+    state = {u.name: u.state if u.state is Tier.NVME  # the NVMe tier is fixed at initialize
+             else Tier.DEVICE if Tier.DEVICE in (u.state, proposed.state_tier(u.name)) else Tier.HOST
              for u in current.units}
     accumulators = {u.name for u in current.units + proposed.units if u.accumulates_on_device}
     return _counted(inputs, params, state, accumulators, current.fixed_bytes)
@@ -200,8 +243,8 @@ def _counted(inputs: PlanInputs, params: dict[str, Tier], state: dict[str, Tier]
                                  Tier.DEVICE if u.name in accumulators else state[u.name]) for u in units)
     held = sum(u.grad_bytes for u, p in zip(units, placed) if p.accumulates_on_device)
     device = inputs.resident_bytes + inputs.working_bytes + _bytes_on(units, params, state, Tier.DEVICE) + held
-    return Plan(placed, inputs.budget, device, _bytes_on(units, params, state, Tier.HOST), fixed,
-                inputs.budget_source)
+    host, nvme = _host_and_nvme_bytes(units, params, state)
+    return Plan(placed, inputs.budget, device, host, fixed, inputs.budget_source, nvme)
 
 
 def _ratio_tiers(units: tuple[UnitSize, ...], ratio: float) -> dict[str, Tier]:
@@ -264,12 +307,13 @@ def _fill_accumulators(units: tuple[UnitSize, ...], state: dict[str, Tier], accu
 
 
 def _fill_states(units: tuple[UnitSize, ...], params: dict[str, Tier], state: dict[str, Tier],
-                 accumulators: set[str], left: int) -> int:
+                 accumulators: set[str], left: int, keep: set[str] = frozenset()) -> int:
     """Optimizer sides onto the device while they fit, in forward order, for units whose
-    parameter shards are there; a side replaces the unit's accumulator, whose bytes it
-    takes over. Returns the bytes still free."""
+    parameter shards are there (none of `keep`); a side replaces the unit's accumulator,
+    whose bytes it takes over. Returns the bytes still free."""
     for unit in units:
-        if unit.frozen or state[unit.name] is Tier.DEVICE or params[unit.name] is not Tier.DEVICE:
+        if unit.frozen or state[unit.name] is Tier.DEVICE or params[unit.name] is not Tier.DEVICE \
+                or unit.name in keep:
             continue
         cost = unit.state_bytes - (unit.grad_bytes if unit.name in accumulators else 0)
         if cost <= left:

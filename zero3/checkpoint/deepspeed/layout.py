@@ -27,7 +27,8 @@ reads the elements it owns from whichever source ranks hold them, never the padd
 one model-parallel rank, the element counts of every flat and fragment equal to what the
 shapes account for, the optimizer state's keys the same everywhere. Refused, naming
 what was found: tensor / pipeline parallel files (mp_rank > 0, layer_*), MoE expert
-files, NVMe-offloaded saves, universal checkpoints, ZeRO stage 0/1/2 layouts.
+files, universal checkpoints, ZeRO stage 0/1/2 layouts. NVMe-offloaded saves load like the
+others: their swapped optimizer state is read from `<tag>/offloaded_tensors/` (offloaded.py).
 
 The result speaks zero3's checkpoint vocabulary (checkpoint/save_load.py), so that the same load
 code restores both: `layout` has the manifest's per-parameter entries, `common` the
@@ -55,6 +56,7 @@ from zero3.checkpoint.deepspeed.unpickle import (
     SavedZeroStage,
     load_deepspeed_file,
 )
+from zero3.checkpoint.deepspeed.offloaded import fill_offloaded, saved_with_nvme
 from zero3.checkpoint.paths import checked_tag, read_pointer
 
 LATEST = "latest"
@@ -231,15 +233,7 @@ def _check_rank_headers(folder: Path, models: list[dict], optims: list[dict]) ->
             raise DeepSpeedCheckpointError(
                 f"{where}: parameters partitioned over expert groups (ds_zero_partition_groups); MoE / "
                 "expert-parallel checkpoints are not supported")
-    _refuse_nvme(folder, models[0].get("ds_config"))
 
-
-def _refuse_nvme(folder: Path, config: Any) -> None:
-    for section in ("offload_optimizer", "offload_param"):
-        if _config_section(config, "zero_optimization", section, "device") == "nvme":
-            raise DeepSpeedCheckpointError(
-                f"{folder}: saved with zero_optimization.{section}.device 'nvme'; NVMe-offloaded checkpoints "
-                "keep state outside these files and are not supported")
 
 
 def _trainable_slots(folder: Path, models: list[dict]) -> list[list[Slot]]:
@@ -410,6 +404,8 @@ class DeepSpeedCheckpoint:
         _steps_as_tensors(optims)
         self._states = [o["optimizer_state_dict"] for o in optims]
         self.sub_groups = _trainable_slots(folder, models)
+        if saved_with_nvme(models[0].get("ds_config")):  # swapped sub-groups: their values in files
+            fill_offloaded(folder, optims, [sum(s.partition for s in group) for group in self.sub_groups])
         _check_flats(folder, optims, self.sub_groups)
         self.frozen = _frozen_slots(folder, models)
         self.state_kinds = _state_kinds(folder, optims, self.sub_groups)

@@ -1,7 +1,7 @@
 """`deepspeed.runtime.swap_tensor`: the names scripts and tests import from DeepSpeed's NVMe
-swapping. zero3 offloads to the CPU only and swaps nothing to NVMe (the config refuses
-`offload_*.device: "nvme"` and a non-default `aio`); the sizes are here so that code sizing
-its tensors by them (`MIN_SWAPPABLE_BYTES`) runs unchanged.
+swapping. zero3's own NVMe tier (optimizer state only: zero3/nvme/, optim/nvme_state.py)
+has nothing of DeepSpeed's swapper classes; the sizes are here so that code sizing its
+tensors by them (`MIN_SWAPPABLE_BYTES`) runs unchanged.
 
 - `utils.py`: `MIN_SWAPPABLE_BYTES` and the I/O sizes it comes from;
 - `constants.py`: the `aio` config section's key names and DeepSpeed's defaults.

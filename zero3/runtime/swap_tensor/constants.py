@@ -1,6 +1,6 @@
 """`deepspeed.runtime.swap_tensor.constants`: the `aio` config section's key names and
-DeepSpeed 0.19.8's default for each. zero3 accepts the section only with these defaults
-(docs/config.md): it has no NVMe swapping for them to tune."""
+DeepSpeed 0.19.8's default for each (zero3 reads the section in config.py: it tunes the NVMe
+tier's reads and writes, zero3/nvme/io.py)."""
 
 AIO = "aio"
 AIO_BLOCK_SIZE, AIO_BLOCK_SIZE_DEFAULT = "block_size", 1048576

@@ -4,7 +4,7 @@ from enum import Enum
 
 
 class OffloadDeviceEnum(str, Enum):
-    """Where `offload_param` / `offload_optimizer` put their tensors (zero3 refuses "nvme")."""
+    """Where `offload_param` / `offload_optimizer` put their tensors ("nvme": the optimizer state only)."""
 
     none = "none"
     cpu = "cpu"

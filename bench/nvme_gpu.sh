@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The NVMe tier on the lent GPU machine (one H100, 16 cores, 128 GiB host, 64 GiB disk), one
+# process per case (bench/nvme_bench.py), logs and rows into $OUT (or bench/out):
+#   1. disk   the drive's own bandwidth: an 8 GiB file written and read with O_DIRECT
+#   2. swap   zero3's swap path (KvikIO when its wheels are carried in .whl/, else POSIX) over
+#             the same 8 GiB, with its ratio to the disk (target >= 80%)
+#   3. train  a 2.9B GPT (width 3072, 24 blocks, seq 1024, micro-batch 4, bf16) full fine-tune,
+#             both offloads on: the optimizer state on the host, then half of it on NVMe
+#   then the table of ratios.
+# NVME_DIR: a folder on the drive to measure (default: a folder under /tmp, i.e. the disk /tmp
+# is on). KvikIO: carry kvikio_cu13, libkvikio_cu13 and rapids_logger wheels in .whl/
+# (pip download --no-deps kvikio-cu13==26.10.0 libkvikio-cu13==26.10.0 rapids-logger==0.3.0);
+# without them the POSIX backend runs. Expected wall time: about 6-8 minutes.
+set -u
+out=${OUT:-bench/out}
+mkdir -p "$out"
+source bench/carried_wheels.sh
+export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-14}
+dir=${NVME_DIR:-/tmp/zero3_nvme_bench}
+mkdir -p "$dir"
+rows="$out/nvme_rows.jsonl"
+rm -f "$rows"
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+df -h "$dir" | tail -1
+free -g | head -2
+io="--dir $dir --gib ${GIB:-8} --threads ${THREADS:-8}"
+timeout 120 python3 bench/nvme_bench.py disk $io --chunk-mib 64 --rows "$rows" 2>&1 | tee "$out/nvme_disk.log"
+timeout 120 python3 bench/nvme_bench.py swap $io --group-mib 256 --block-mib ${BLOCK_MIB:-8} --queue-depth 8 \
+    --buffers 4 --rows "$rows" 2>&1 | tee "$out/nvme_swap.log"
+model="--width ${WIDTH:-3072} --layers ${LAYERS:-24} --seq 1024 --micro-batch 4 --steps ${STEPS:-4} --warmup 1"
+for tier in host nvme; do
+    timeout ${TRAIN_TIMEOUT:-200} python3 bench/nvme_bench.py train $model --tier $tier --host-share 0.5 \
+        --dir "$dir" --threads ${THREADS:-8} --block-mib ${BLOCK_MIB:-8} --rows "$rows" 2>&1 \
+        | grep -v Warning | tail -5 | tee "$out/nvme_train_$tier.log"
+done
+python3 bench/nvme_bench.py table --rows "$rows" | tee "$out/nvme_table.log"
+rm -rf "$dir"
+exit 0

@@ -1,0 +1,294 @@
+"""The NVMe tier of the optimizer state (offload_optimizer.device "nvme"), on 2 gloo ranks,
+a temporary folder standing in for the NVMe drive.
+
+One launch of 2 ranks checks, against the host-offload run (offload_optimizer "cpu": the same
+CPU kernels over the same values):
+- every piece on NVMe, with the overlapped host step: losses and every master, optimizer
+  state and shard bit-identical; the swap files exist while training, one folder per rank;
+- three tiers at once (placement.gpu_budget and placement.host_budget cutting the units
+  into device, host and NVMe optimizer sides), stepped synchronously: bit-identical too;
+- checkpoints: one saved with NVMe loads into a host-offload engine and the reverse, and
+  both go on bit-exactly;
+- a missing nvme_path on one rank: SwapSetupError on every rank, naming the rank;
+- a full disk during a swap write (RLIMIT_FSIZE lowered in the rank: the kernel's EFBIG on
+  the write, no mock): a SwapIOError naming the file and the fix; the last checkpoint still
+  loads into a new engine, which goes on exactly;
+- destroy() removes the rank's swap folder.
+The leftovers of a killed run (a process SIGKILLed while holding its swap folder) are
+cleared by the next start, and a live run's folder is left alone.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from common import make_batches, make_model, optimizer_tensors, two_param_groups
+from harness import run_ranks
+
+MICRO, GA, STEPS = 4, 2, 4
+REPO = Path(__file__).resolve().parents[2]
+
+
+def config_for(device: str, nvme_path: str | None = None, overlap: bool = True, budget=None,
+               host_budget=None) -> dict:
+    optimizer = {"device": device, "overlap_step": overlap}
+    if device == "nvme":
+        optimizer.update(nvme_path=nvme_path, buffer_count=3)
+    zero = {"stage": 3, "stage3_param_persistence_threshold": 30, "reduce_bucket_size": 500,
+            "sub_group_size": 400, "offload_param": {"device": "cpu"}, "offload_optimizer": optimizer}
+    config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GA,
+              "gradient_clipping": 0.5, "zero_optimization": zero, "bf16": {"enabled": True},
+              "aio": {"block_size": 4096, "queue_depth": 2, "intra_op_parallelism": 2},
+              "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.02,
+                                                          "warmup_num_steps": 3}}}
+    placement = {k: v for k, v in (("gpu_budget", budget), ("host_budget", host_budget)) if v is not None}
+    if placement:
+        config["placement"] = placement
+    return config
+
+
+def build(config: dict, seed: int = 0):
+    import zero3
+
+    model = make_model(seed=seed)
+    engine, *_ = zero3.initialize(model=model, optimizer=torch.optim.AdamW(two_param_groups(model)), config=config)
+    return engine
+
+
+def train(engine, rank: int, world: int, first: int, last: int) -> list[float]:
+    """bf16 inputs (cast by the caller, as with DeepSpeed); every micro-step's loss."""
+    batches = make_batches(STEPS * GA * world, MICRO)
+    losses = []
+    for step in range(first, last):
+        for index in range(GA):
+            x, y = batches[(step * GA + index) * world + rank]
+            loss = engine(x.to(engine.compute_dtype), y.to(engine.compute_dtype))
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.float().item())
+    return losses
+
+
+def final_state(engine) -> dict[str, torch.Tensor]:
+    engine.optimizer_access.state()  # the NVMe tier's state brought into memory
+    return optimizer_tensors(engine)
+
+
+def differing(a: dict, b: dict) -> list[str]:
+    return [k for k in a if k not in b or not torch.equal(a[k], b[k])]
+
+
+def tiers(engine) -> set[str]:
+    return {engine.placement.state_tier(sp).value for sp in engine.table.values() if sp.requires_grad}
+
+
+def nvme_run(rank: int, world: int, folder: str, nvme: str, leftover: str):
+    results = {}
+    host = build(config_for("cpu"))
+    expected = train(host, rank, world, 0, 2)
+    host.save_checkpoint(folder, tag="host_half")
+    expected += train(host, rank, world, 2, STEPS)
+    reference = final_state(host)
+
+    on_nvme = build(config_for("nvme", nvme))
+    results["leftover_cleared"] = not Path(leftover).exists()
+    swap_folder = on_nvme.optimizer.swap.folder.path
+    losses = train(on_nvme, rank, world, 0, 2)
+    on_nvme.save_checkpoint(folder, tag="nvme_half")
+    results["swap_files"] = sorted(p.name for p in swap_folder.iterdir())
+    losses += train(on_nvme, rank, world, 2, STEPS)
+    results.update(nvme_losses=losses == expected, nvme_state=differing(reference, final_state(on_nvme)),
+                   nvme_tiers=tiers(on_nvme), nvme_plan=on_nvme.placement.plan.describe())
+    on_nvme.destroy()
+    results["removed_at_destroy"] = not swap_folder.exists()
+    results.update(three_tier_run(rank, world, nvme, expected, reference))
+    results.update(cross_loads(rank, world, folder, nvme, expected, reference))
+    results["missing"] = missing_on_one_rank(rank, nvme)
+    results.update(full_disk(rank, world, folder, nvme, expected, reference))
+    return results
+
+
+def three_tier_run(rank: int, world: int, nvme: str, expected: list, reference: dict) -> dict:
+    """Optimizer sides on the device, the host and NVMe at once, stepped in step()."""
+    everything = build(config_for("cpu", budget="1TiB", overlap=False))
+    plan = everything.placement.plan
+    part = plan.fixed_bytes + (plan.device_bytes - plan.fixed_bytes) // 2
+    everything.destroy()
+    first_host = next(u for u in build_plan_units(part) if u[1] == "host")
+    engine = build(config_for("nvme", nvme, overlap=False, budget=part, host_budget=first_host[2]))
+    losses = train(engine, rank, world, 0, STEPS)
+    out = {"three_tiers": tiers(engine), "three_losses": losses == expected,
+           "three_state": differing(reference, final_state(engine)), "three_plan": engine.placement.plan.describe()}
+    engine.destroy()
+    return out
+
+
+def build_plan_units(budget) -> list[tuple[str, str, int]]:
+    """(unit, optimizer-side tier, its bytes) under `budget` with the host offload."""
+    from zero3.engine_parts.placement import plan_inputs
+    from zero3.placement.budget import BudgetChoice
+
+    engine = build(config_for("cpu", budget=budget, overlap=False))
+    inputs = plan_inputs(engine.config, engine.table, engine.units, engine.optimizer.optimizer,
+                         BudgetChoice(budget, False, True, "test"))
+    sizes = {u.name: u.state_bytes for u in inputs.units}
+    units = [(u.name, u.state.value, sizes[u.name]) for u in engine.placement.plan.units if sizes[u.name]]
+    engine.destroy()
+    return units
+
+
+def cross_loads(rank: int, world: int, folder: str, nvme: str, expected: list, reference: dict) -> dict:
+    """An NVMe-saved checkpoint into a host engine, a host-saved one into an NVMe engine."""
+    out = {}
+    for name, config, tag in (("host_from_nvme", config_for("cpu"), "nvme_half"),
+                              ("nvme_from_host", config_for("nvme", nvme), "host_half")):
+        engine = build(config, seed=5)
+        engine.load_checkpoint(folder, tag=tag)
+        losses = train(engine, rank, world, 2, STEPS)
+        out[name] = (losses == expected[2 * GA:], differing(reference, final_state(engine)))
+        engine.destroy()
+    return out
+
+
+def missing_on_one_rank(rank: int, nvme: str) -> str:
+    """The same nvme_path (relative) everywhere, a folder there on rank 0 only."""
+    cwd = os.getcwd()
+    here = Path(nvme) if rank == 0 else Path(nvme) / "elsewhere"
+    here.mkdir(exist_ok=True)
+    os.chdir(here)
+    try:
+        Path("relative").mkdir(exist_ok=rank == 0) if rank == 0 else None
+        return setup_error(config_for("nvme", "relative"))
+    finally:
+        os.chdir(cwd)
+
+
+def setup_error(config: dict) -> str:
+    try:
+        build(config).destroy()
+    except Exception as exc:  # noqa: BLE001 - the message is the result
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def full_disk(rank: int, world: int, folder: str, nvme: str, expected: list, reference: dict) -> dict:
+    """A swap write that fails (a file size limit below the swap files' size), then resume."""
+    import resource
+
+    engine = build(config_for("nvme", nvme, overlap=False))
+    train(engine, rank, world, 0, 2)
+    engine.save_checkpoint(folder, tag="before_full")
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, hard))
+    try:
+        train(engine, rank, world, 2, 3)
+        error = "no error"
+    except Exception as exc:  # noqa: BLE001 - the message is the result
+        error = f"{type(exc).__name__}: {exc}"
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    engine.destroy()
+    resumed = build(config_for("nvme", nvme, overlap=False), seed=7)
+    resumed.load_checkpoint(folder)  # `latest`: the last checkpoint, saved before the failure
+    losses = train(resumed, rank, world, 2, STEPS)
+    out = {"full_error": error, "full_resumed": (losses == expected[2 * GA:], differing(reference, final_state(resumed)))}
+    resumed.destroy()
+    return out
+
+
+HOLD_FOLDER = textwrap.dedent("""
+    import sys, time
+    from zero3.nvme.folder import SwapFolder
+    folder, _ = SwapFolder.create(sys.argv[1], int(sys.argv[2]), 0)
+    (folder.path / "group00000.swp").write_bytes(b"stale" * 1000)
+    print(folder.path, flush=True)
+    time.sleep(600)
+""")
+
+
+def hold_swap_folder(nvme: Path, rank: int) -> tuple[subprocess.Popen, Path]:
+    """A process that made its swap folder and holds it (until killed)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-c", HOLD_FOLDER, str(nvme), str(rank)], stdout=subprocess.PIPE,
+                            env=env, text=True)
+    return proc, Path(proc.stdout.readline().strip())
+
+
+def test_nvme_tier_is_exact_survives_a_full_disk_and_cleans_up(tmp_path):
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    live, held = hold_swap_folder(nvme, 8)
+    killed, leftover = hold_swap_folder(nvme, 7)  # (it leaves the live run's folder alone too)
+    killed.send_signal(signal.SIGKILL)  # a killed run: its folder stays, its lock dies with it
+    killed.wait()
+    try:
+        assert leftover.exists() and held.exists()
+        results = run_ranks(nvme_run, 2, str(tmp_path / "ckpt"), str(nvme), str(leftover), timeout=500)
+        assert held.exists(), "a live run's swap folder was removed"
+    finally:
+        live.kill()
+        live.wait()
+    for rank, r in enumerate(results):
+        assert r["leftover_cleared"], rank
+        assert r["nvme_losses"] and r["nvme_state"] == [] and r["nvme_tiers"] == {"nvme"}, (rank, r["nvme_plan"])
+        assert "lock" in r["swap_files"] and any(n.endswith(".swp") for n in r["swap_files"]), r["swap_files"]
+        assert r["removed_at_destroy"], rank
+        assert r["three_tiers"] == {"device", "host", "nvme"}, (rank, r["three_plan"])
+        assert r["three_losses"] and r["three_state"] == [], (rank, r["three_state"])
+        assert r["host_from_nvme"] == (True, []) and r["nvme_from_host"] == (True, []), rank
+        assert "SwapSetupError" in r["missing"] and "does not exist" in r["missing"], r["missing"]
+        assert "File too large" in r["full_error"] and "nvme_path" in r["full_error"], r["full_error"]
+        assert r["full_resumed"] == (True, []), rank
+    assert "rank 1" in results[0]["missing"]  # rank 0's folder was fine: it names the rank that failed
+    assert [p.name for p in (nvme / "zero3_swap").iterdir()] == [held.name], "swap folders left behind"
+    assert [p.name for p in (nvme / "relative" / "zero3_swap").iterdir()] == [], "rank 0's folder left behind"
+
+
+def test_swap_space_and_path_checks(tmp_path):
+    """Before training: the space the rank's files need against the free space, a path that
+    is a file, one that is not writable (skipped as root, who may write anywhere)."""
+    import shutil
+
+    from zero3.nvme.folder import SwapSetupError, check_path, check_space
+
+    free = shutil.disk_usage(tmp_path).free
+    with pytest.raises(SwapSetupError, match=r"GiB free.*need .* GiB \(\d+ bytes\)"):
+        check_space(tmp_path, free * 4)
+    check_space(tmp_path, 4096)
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    with pytest.raises(SwapSetupError, match="is not a folder"):
+        check_path(str(a_file))
+    if os.geteuid() != 0:
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        with pytest.raises(SwapSetupError, match="not writable"):
+            check_path(str(locked))
+
+
+def test_swap_io_moves_bytes_exactly_in_every_issue_mode(tmp_path):
+    """The request paths of io.py (windowed, lockstep, single submit) write and read back
+    the same bytes through the POSIX backend."""
+    from zero3.nvme.backends import PosixFiles
+    from zero3.nvme.buffers import aligned_empty
+    from zero3.nvme.io import IssueSettings, SwapIO
+
+    data = aligned_empty(5 * 4096)
+    data.copy_(torch.randint(0, 255, (5 * 4096,), dtype=torch.uint8))
+    for settings in (IssueSettings(4096, 2, 2, False, True), IssueSettings(4096, 2, 2, False, False),
+                     IssueSettings(8192, 8, 1, True, True)):
+        io = SwapIO(PosixFiles(), settings)
+        path = tmp_path / f"f{settings.queue_depth}{settings.single_submit}{settings.overlap_events}"
+        io.write(path, data).result()
+        back = aligned_empty(5 * 4096)
+        io.read(path, back).result()
+        assert torch.equal(back, data) and io.bytes_written == io.bytes_read == data.numel()
+        io.close()
