@@ -37,7 +37,7 @@ logger = logging.getLogger("zero3")
 
 
 def optimizer_state_elements(optimizer: torch.optim.Optimizer | None) -> int:
-    """fp32 state tensors the client optimizer keeps per master element (an upper bound
+    """State tensors the client optimizer keeps per master element (an upper bound
     of 2 for a kind not listed)."""
     if optimizer is None:
         return 0
@@ -63,9 +63,15 @@ class SizeRules:
 
     @classmethod
     def of(cls, config: Zero3Config, optimizer: torch.optim.Optimizer | None) -> "SizeRules":
-        width = torch.empty(0, dtype=config.precision.dtype).element_size()
-        reduce_width = torch.empty(0, dtype=config.precision.reduce_dtype).element_size()
-        return cls(width, state_bytes_per_element(width, optimizer_state_elements(optimizer)), reduce_width)
+        precision = config.precision
+        width, reduce_width = _width(precision.dtype), _width(precision.reduce_dtype)
+        per_state = state_bytes_per_element(width, optimizer_state_elements(optimizer), _width(precision.master_dtype),
+                                            _width(precision.optimizer_state_dtype))
+        return cls(width, per_state, reduce_width)
+
+
+def _width(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
 
 
 def unit_sizes(units: list[FetchUnit], rules: SizeRules, trains: bool) -> tuple[UnitSize, ...]:
@@ -205,7 +211,7 @@ def move_to_plan(owners: PlacementOwners, plan: Plan) -> int:
                 sp.move_shard(placement.device_of(params), pin)
             placement.assign(sp, params, state)
             if owners.optimizer is not None and sp.requires_grad:
-                reshare(sp, owners.optimizer.master_of(sp))
+                reshare(sp, owners.optimizer.master_of(sp), owners.optimizer.precision)
             moved += 1
     placement.plan = plan
     owners.sink.placement_changed()
