@@ -5,7 +5,8 @@ and bf16 Adam state against plain PyTorch doing the same arithmetic (a bf16 mode
 fused AdamW, clip_grad_norm_), 20 steps; bit-exact resume; the offloaded and the overlapped
 host step, bit-identical to the resident run; DeepSpeed's offloaded mixed mode (bf16
 masters, fp32 state) against plain PyTorch lifting the bf16 weights to fp32 for each step;
-checkpoints converted between the settings; a GatheredParameters write reaching the master.
+checkpoints converted between the settings; a GatheredParameters write reaching the master;
+export-deepspeed / import-deepspeed keeping the bf16 dtypes.
 
 The bound (ULP_BOUND): zero3 and the plain run differ only in how the gradient of the
 global batch is summed: zero3 reduce-scatters the ranks' bf16 gradients (gloo sums them in
@@ -265,3 +266,33 @@ def test_bf16_masters_and_states(tmp_path, world):
             assert any("bfloat16, this engine keeps them in float32" in n for n in conv["notes"]), conv["notes"]
             assert any("float32, this engine keeps them in bfloat16" in n for n in conv["notes"]), conv["notes"]
         assert r["gathered"] == {"written": True, "moved": True}
+    deepspeed_round_trip(tmp_path, world)
+
+
+def deepspeed_round_trip(folder, world: int) -> None:
+    """export-deepspeed writes the bf16 masters and moments as bf16 flats with DeepSpeed's keys
+    in ds_config; import-deepspeed brings them back as bf16, equal to what was saved."""
+    from zero3.checkpoint.deepspeed.exporter import export_deepspeed
+    from zero3.checkpoint.deepspeed.importer import import_deepspeed
+    from zero3.checkpoint.deepspeed.unpickle import load_deepspeed_file
+    from zero3.checkpoint.format import ShardReader, read_manifest
+
+    export_deepspeed(folder, folder / "ds", world_size=world, tag="half")
+    optim = load_deepspeed_file(folder / "ds" / "half" / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    inner = optim["optimizer_state_dict"]
+    assert {f.dtype for f in inner["fp32_flat_groups"]} == {torch.bfloat16}
+    assert inner["optimizer_state_dict"]["state"][0]["exp_avg"].dtype == torch.bfloat16
+    assert optim["ds_config"]["bf16"] == {"enabled": True, "bf16_master_weights_and_grads": True,
+                                          "bf16_optimizer_states": True}
+    import_deepspeed(folder / "ds", folder / "back", tag="half")
+    original, back = read_manifest(folder / "half"), read_manifest(folder / "back" / "half")
+    assert back["master_dtype"] == back["optimizer_state_dtype"] == "bfloat16"
+    with ShardReader(folder / "half", original) as a, ShardReader(folder / "back" / "half", back) as b:
+        for name, entry in original["params"].items():
+            numel = entry["numel"]
+            assert torch.equal(a.read_range(f"param/{name}", numel, 0, numel), b.read_range(f"param/{name}", numel, 0, numel))
+            for key, kind in entry["optim"].items():
+                if kind == "elementwise":
+                    saved = a.read_range(f"optim/{name}/{key}", numel, 0, numel)
+                    again = b.read_range(f"optim/{name}/{key}", numel, 0, numel)
+                    assert saved.dtype == again.dtype == torch.bfloat16 and torch.equal(saved, again)

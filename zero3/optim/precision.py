@@ -4,11 +4,14 @@ DeepSpeed's `bf16.bf16_master_weights_and_grads` and `bf16.bf16_optimizer_states
 (config.py checks the combinations as DeepSpeed does):
 
   setting                                   master  grad shard  state  bytes a parameter
-  (default)                                 fp32    fp32        fp32   16 (2 + 4 + 4 + 4 + 4)
-  bf16_master_weights_and_grads             bf16    bf16        fp32   12 (offload_optimizer only)
+  (default)                                 fp32    fp32        fp32   18 (2 + 4 + 4 + 4 + 4)
+  bf16_master_weights_and_grads             bf16    bf16        fp32   14 (2 + 2 + 2 + 4 + 4;
+                                                                           offload_optimizer only)
   ... and bf16_optimizer_states             bf16    bf16        bf16    8 (2 + 2 + 2 + 2)
 
-(with bf16 compute shards, Adam's two moments, the gradient shard counted while it is held).
+(bf16 compute shard, master, gradient shard while it is held, Adam's two moments; DeepSpeed's
+"16 bytes" for the default counts a bf16 gradient, zero3 accumulates gradients in the master's
+dtype).
 
 Decisions:
 - A master whose dtype and device are the shard's *is* the shard (one tensor, no copy, no
