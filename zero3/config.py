@@ -963,7 +963,7 @@ def _zero(key: str, value: Any) -> ZeroConfig:
 # --------------------------------------------------------------------------------------
 
 _BF16_RULES: dict[str, _Rule] = {
-    "enabled": _Map("enabled", _bool, "train in bfloat16 (fp32 master shards)"),
+    "enabled": _Map("enabled", _bool, "train in bfloat16 (fp32 master shards unless bf16_master_weights_and_grads)"),
     "check_grad_overflow": _Map("check_grad_overflow", _bool,
                                 "skip the step when a gradient is inf/nan (DeepSpeed's default: true)"),
     "immediate_grad_update": _off(False, "DeepSpeed uses it only in its stage 0/1 bf16 optimizer; "
