@@ -37,7 +37,6 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -138,7 +137,3 @@ def converted_note(kind: str, saved: torch.dtype, now: torch.dtype) -> str:
             f"(bf16_master_weights_and_grads / bf16_optimizer_states differ): converted on load"
             + (" (rounded to bf16)" if now == torch.bfloat16 else ""))
 
-
-def elementwise_state(value: Any, master: torch.Tensor) -> bool:
-    """Whether an optimizer state value is elementwise (shaped like its master)."""
-    return isinstance(value, torch.Tensor) and value.shape == master.shape
