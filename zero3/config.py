@@ -308,6 +308,14 @@ class PrecisionConfig:
     communication_data_type: torch.dtype | None = None
     auto_cast: bool = False
     check_grad_overflow: bool = False
+    # bf16.bf16_master_weights_and_grads / bf16_optimizer_states (zero3/optim/precision.py)
+    master_dtype: torch.dtype = torch.float32
+    optimizer_state_dtype: torch.dtype = torch.float32
+    # torch_autocast: the dtype the forward runs under (None: no autocast), and the module
+    # classes ("package.Class") whose parameters' gradients are reduced in that dtype
+    # (None: DeepSpeed's default list, zero3/engine_parts/autocast.py)
+    autocast_dtype: torch.dtype | None = None
+    autocast_safe_modules: tuple[str, ...] | None = None
 
     @property
     def fp16(self) -> bool:
@@ -1045,13 +1053,37 @@ def _zero(key: str, value: Any) -> ZeroConfig:
 # --------------------------------------------------------------------------------------
 
 _BF16_RULES: dict[str, _Rule] = {
-    "enabled": _Map("enabled", _bool, "train in bfloat16 (fp32 master shards)"),
+    "enabled": _Map("enabled", _bool, "train in bfloat16 (fp32 master shards unless bf16_master_weights_and_grads)"),
     "check_grad_overflow": _Map("check_grad_overflow", _bool,
                                 "skip the step when a gradient is inf/nan (DeepSpeed's default: true)"),
     "immediate_grad_update": _off(False, "DeepSpeed uses it only in its stage 0/1 bf16 optimizer; "
                                   "zero3 reduces each gradient into its fp32 shard as it is produced"),
-    "bf16_master_weights_and_grads": _off(False, "zero3 keeps fp32 master weights and gradients"),
-    "bf16_optimizer_states": _off(False, "zero3 keeps optimizer states in fp32"),
+    "bf16_master_weights_and_grads": _Map("bf16_master_weights_and_grads", _bool,
+                                          "bf16 master weights and gradient shards (needs bf16.enabled; with "
+                                          "bf16_optimizer_states false it needs offload_optimizer on the CPU)"),
+    "bf16_optimizer_states": _Map("bf16_optimizer_states", _bool,
+                                  "optimizer state in bf16 (needs bf16_master_weights_and_grads)"),
+}
+
+
+def _module_names(key: str, value: Any) -> tuple[str, ...]:
+    """Converter: a list of fully qualified class names ("torch.nn.Linear"), as DeepSpeed reads
+    torch_autocast.lower_precision_safe_modules (imported at initialize)."""
+    if not isinstance(value, list) or not all(isinstance(v, str) and "." in v.strip(".") for v in value):
+        _fail(key, value, "expected a list of fully qualified class names",
+              'Write e.g. ["torch.nn.Linear", "torch.nn.Conv2d"].')
+    return tuple(value)
+
+
+_AUTOCAST_RULES: dict[str, _Rule] = {
+    "enabled": _Map("autocast_enabled", _bool, "run the forward under torch.autocast (parameters and masters stay "
+                    "in the bf16/fp16 section's dtype, fp32 without one)"),
+    "dtype": _Map("autocast_dtype", _dtype_name, "the autocast dtype (bfloat16 or float16; absent: the enabled "
+                  "bf16/fp16 section's dtype)"),
+    "lower_precision_safe_modules": _Map("lower_precision_safe_modules", _module_names,
+                                         "classes whose parameters' gradients are reduced in the autocast "
+                                         "dtype (default: torch.nn Linear, Conv1d, Conv2d, Conv3d); the rest "
+                                         "in their own dtype"),
 }
 
 
@@ -1120,8 +1152,65 @@ def _precision(values: Mapping[str, Any]) -> PrecisionConfig:
     scale = {k: v for k, v in fp16.items() if k not in ("enabled", "auto_cast")}
     if "min_loss_scale" in scale:
         scale["min_loss_scale"] = float(scale["min_loss_scale"])
+    masters = _master_precision(bf16, bf16_key, dtype, values.get("zero"))
+    autocast = _autocast(values.get("_torch_autocast", {}), dtype, values.get("_comm_dtype"))
     return PrecisionConfig(dtype=dtype, communication_data_type=values.get("_comm_dtype"),
-                           auto_cast=bool(fp16.get("auto_cast", False)), check_grad_overflow=check, **scale)
+                           auto_cast=bool(fp16.get("auto_cast", False)), check_grad_overflow=check, **scale,
+                           **masters, **autocast)
+
+
+def _master_precision(bf16: dict, bf16_key: str, dtype: torch.dtype, zero: "ZeroConfig | None") -> dict[str, Any]:
+    """bf16_master_weights_and_grads / bf16_optimizer_states, checked as DeepSpeed 0.19.8 checks
+    them: the second needs the first; bf16 masters with fp32 optimizer state need the optimizer
+    offloaded to the CPU (DeepSpeed's ZeRO-Offload requirement). zero3 also asks for bf16.enabled,
+    the only dtype a bf16 master can be a copy of."""
+    masters, states = bf16.get("bf16_master_weights_and_grads", False), bf16.get("bf16_optimizer_states", False)
+    if states and not masters:
+        _fail(f"{bf16_key}.bf16_optimizer_states", True, "requires bf16_master_weights_and_grads (as in "
+              "DeepSpeed)", f'Set "{bf16_key}": {{"bf16_master_weights_and_grads": true}} too, or remove '
+              "bf16_optimizer_states.")
+    if masters and dtype != torch.bfloat16:
+        _fail(f"{bf16_key}.bf16_master_weights_and_grads", True, f"needs {bf16_key}.enabled true (the model "
+              f"trains in {str(dtype).removeprefix('torch.')})", f'Set "{bf16_key}": {{"enabled": true}}, or '
+              "remove bf16_master_weights_and_grads.")
+    offloaded = zero is not None and zero.offload_optimizer.enabled
+    if masters and not states and not offloaded:
+        _fail(f"{bf16_key}.bf16_master_weights_and_grads", True, "with bf16_optimizer_states false the fp32 "
+              "optimizer state must live on the CPU, as DeepSpeed requires (offload_optimizer.device is "
+              f"{zero.offload_optimizer.device if zero is not None else 'none'!r})",
+              'Set "bf16_optimizer_states": true (8 bytes a parameter on the device), or '
+              '"zero_optimization": {"offload_optimizer": {"device": "cpu"}}.')
+    bf16_dtype = torch.bfloat16
+    return {"master_dtype": bf16_dtype if masters else torch.float32,
+            "optimizer_state_dtype": bf16_dtype if states else torch.float32}
+
+
+def _autocast(section: dict, dtype: torch.dtype, comm_dtype: torch.dtype | None) -> dict[str, Any]:
+    """torch_autocast, checked: a 16-bit autocast dtype, the same as an enabled bf16/fp16
+    section's; float16 over fp32 parameters (which needs gradient scaling) and
+    communication_data_type (DeepSpeed ignores it under autocast) are refused."""
+    if not section.get("autocast_enabled"):
+        return {}
+    wanted = section.get("autocast_dtype") or (dtype if dtype != torch.float32 else None)
+    name = lambda d: str(d).removeprefix("torch.")  # noqa: E731
+    if wanted is None:
+        _fail("torch_autocast.dtype", None, "no autocast dtype given and neither bf16 nor fp16 is enabled",
+              'Write "torch_autocast": {"enabled": true, "dtype": "bfloat16"}.')
+    if wanted == torch.float32:
+        _fail("torch_autocast.dtype", name(wanted), "autocast to float32 changes nothing",
+              'Use "bfloat16" or "float16", or set "enabled": false.')
+    if dtype != torch.float32 and wanted != dtype:
+        _fail("torch_autocast.dtype", name(wanted), f"differs from the enabled precision ({name(dtype)}): the "
+              "parameters would be cast to another 16-bit dtype in every op", f'Write "dtype": "{name(dtype)}".')
+    if wanted == torch.float16 and dtype == torch.float32:
+        _fail("torch_autocast.dtype", name(wanted), "float16 autocast over fp32 parameters needs gradient "
+              "scaling, which zero3 applies only with fp16.enabled", 'Use "dtype": "bfloat16", or enable '
+              '"fp16" (the parameters then train in float16 with loss scaling).')
+    if comm_dtype is not None:
+        _fail("communication_data_type", name(comm_dtype), "is not used under torch_autocast (gradients of "
+              "lower_precision_safe_modules are reduced in the autocast dtype, the rest in their own), as in "
+              "DeepSpeed", "Remove communication_data_type, or disable torch_autocast.")
+    return {"autocast_dtype": wanted, "autocast_safe_modules": section.get("lower_precision_safe_modules")}
 
 
 # --------------------------------------------------------------------------------------
@@ -1545,7 +1634,8 @@ _TOP_RULES: dict[str, _Rule] = {
     "pipeline": _Inert("DeepSpeed reads it only for a PipelineModule, and zero3 has no pipeline parallelism"),
     "tensor_parallel": _Only(_no_tensor_parallel, "{} or {\"autotp_size\": 0 or 1}",
                              "tensor parallelism is not implemented", _REMOVE),
-    "torch_autocast": _feature_block("torch_autocast", 'Use "bf16": {"enabled": true} or "fp16".'),
+    "torch_autocast": _Map("_torch_autocast", _section_values(_AUTOCAST_RULES, auto_is_default=False),
+                           "run the forward under torch.autocast; see the torch_autocast table"),
     "tensorboard": _monitor("TensorBoard"),
     "wandb": _monitor("Weights & Biases"),
     "csv_monitor": _monitor("CSV"),
@@ -1741,6 +1831,7 @@ _DOC_SECTIONS: tuple[tuple[str, Mapping[str, _Rule], str], ...] = (
     ("zero_optimization.leaf_module", _LEAF_RULES, "zero.leaf_module."),
     ("bf16 / bfloat16", _BF16_RULES, "precision."),
     ("fp16", _FP16_RULES, "precision."),
+    ("torch_autocast", _AUTOCAST_RULES, "precision."),
     ("data_types", _DATA_TYPES_RULES, ""),
     ("checkpoint", _CHECKPOINT_RULES, ""),
     ("activation_checkpointing", _ACTIVATION_CHECKPOINTING_RULES, "activation_checkpointing."),
@@ -1761,7 +1852,14 @@ _DOC_FIELDS = {
     "tag_validation": "checkpoint_tag_validation", "arrival_timeout": "checkpoint_arrival_timeout",
     "async_save": "checkpoint_async_save", "_placement": "placement", "load_rng_state": "checkpoint_load_rng_state",
     "throughput": "throughput_timer_*",
+    "_torch_autocast": "precision.autocast_*", "bf16_master_weights_and_grads": "precision.master_dtype",
+    "bf16_optimizer_states": "precision.optimizer_state_dtype", "autocast_enabled": "precision.autocast_dtype",
+    "autocast_dtype": "precision.autocast_dtype", "lower_precision_safe_modules": "precision.autocast_safe_modules",
 }
+
+
+_PRECISION_DOC_FIELDS = ("bf16_master_weights_and_grads", "bf16_optimizer_states", "autocast_enabled",
+                         "autocast_dtype", "lower_precision_safe_modules")
 
 
 def describe_keys() -> list[tuple[str, str, str, str]]:
@@ -1771,7 +1869,7 @@ def describe_keys() -> list[tuple[str, str, str, str]]:
         for key, rule in rules.items():
             if isinstance(rule, _Map):
                 where = _DOC_FIELDS.get(rule.field) if rule.field.startswith("_") or not prefix \
-                    or rule.field in ("enabled", "check_grad_overflow") else None
+                    or rule.field in ("enabled", "check_grad_overflow", *_PRECISION_DOC_FIELDS) else None
                 where = where or prefix + rule.field
                 shown = where if " " in where else f"`{where}`"
                 rows.append((section, key, "mapped", f"{shown}: {rule.doc}"))

@@ -44,6 +44,7 @@ from zero3.compat.param_status import mark_managed
 from zero3.config import Zero3Config
 from zero3.engine_parts import build, diagnostics, generation
 from zero3.engine_parts import placement as placement_parts
+from zero3.engine_parts.autocast import autocast_of
 from zero3.engine_parts.build import EngineError, EngineUsageError
 from zero3.engine_parts.counters import StepCounters
 from zero3.engine_parts.owner import ParamOwner, register, unregister
@@ -91,9 +92,8 @@ class Engine(EngineSurface, nn.Module):
         self.accelerator = get_accelerator()
         self.device = self.accelerator.device()
         self.compute_dtype = config.precision.dtype
-        self.loss_scaler = (
-            LossScaler.from_precision(config.precision) if self.compute_dtype == torch.float16 else None
-        )
+        self.autocast = autocast_of(config.precision, self.device)  # the forward's torch_autocast region
+        self.loss_scaler = LossScaler.from_precision(config.precision) if config.precision.fp16 else None
         self._init_counters()
         compile_requests = []
         if isinstance(model, nn.Module):
@@ -117,7 +117,7 @@ class Engine(EngineSurface, nn.Module):
         self.param_names = {sp.param: sp.name for sp in self.table.values()}
         declare_config_leaves(self.module, config.zero.leaf_module)
         background = build.host_step_overlap(config, client_optimizer, self.device)
-        self.reducer = build.build_reducer(config, self.table, self.units, self.comm, self.placement, background)
+        self.reducer = build.build_reducer(config, self.table, self.units, self.comm, self.placement, background, model)
         self.late_params = LateParameters(self.table, self.device, self.compute_dtype, self.comm.rank)
         self.fetcher = build.build_fetcher(config, self.module, self.table, self.units, self.comm, self.device,
                                            self._end_backward, self.reducer, self.late_params.adopt, background)
@@ -177,7 +177,7 @@ class Engine(EngineSurface, nn.Module):
             args, kwargs = _cast_floating((args, kwargs), self.compute_dtype)
         self.tput_timer.start()
         self.reducer.sink.window_ends = self.is_gradient_accumulation_boundary()  # this micro-step's backward
-        with self._phase("forward"):
+        with self._phase("forward"), self.autocast.region():
             output = self.module(*args, **kwargs)
         if self.loss_scaler is not None and torch.is_grad_enabled():
             _hook_output_tensors(output, self._on_backward_start)

@@ -6,10 +6,11 @@ DeepSpeed config will hold on each rank, with the engine's own rules:
   (on the host with `offload_param`), and those chosen resident by
   `stage3_param_persistence_threshold` / `stage3_model_persistence_threshold` are also
   held whole on every rank (on the device);
-- each trainable parameter has an fp32 gradient shard and an fp32 master shard (the
-  master is the compute shard itself when both are fp32 on the same device), and the
-  optimizer's state per master: Adam/AdamW two fp32 tensors and a step counter, SGD with
-  momentum one, plain SGD none; with `offload_optimizer` all of these are on the host.
+- each trainable parameter has a gradient shard and a master shard, fp32 (bf16 with
+  bf16_master_weights_and_grads; the master is the compute shard itself when both have one
+  dtype on the same device), and the optimizer's state per master: Adam/AdamW two tensors
+  (fp32, bf16 with bf16_optimizer_states) and a step counter, SGD with momentum one, plain
+  SGD none; with `offload_optimizer` all of these are on the host.
 These are the tensors `engine.sharded_bytes()` reports once the optimizer has stepped and
 while gradients are held. On top of them come the working set (the gathered fetch units,
 reported as `gathered_unit`: the largest unit, in the compute dtype, held whole while it
@@ -38,7 +39,7 @@ from torch import nn
 from zero3.config import Zero3Config, from_deepspeed
 from zero3.params.units import persistent_indices
 from zero3.placement.plan import Plan, PlanInputs, UnitSize, make_plan
-from zero3.placement.sizes import GRADIENT_BYTES, state_bytes_per_element, working_set_bytes
+from zero3.placement.sizes import state_bytes_per_element, working_set_bytes
 
 CATEGORIES = ("param_shards", "resident_params", "grad_shards", "masters", "optimizer_state")
 
@@ -154,10 +155,19 @@ def _optimizer_states(parsed: Zero3Config) -> tuple[int, int]:
     raise ValueError(f"optimizer {spec.type!r}: estimate knows Adam, AdamW and SGD")
 
 
+def _optimizer_widths(parsed: Zero3Config) -> tuple[int, int]:
+    """(bytes of a master / gradient shard element, of an optimizer state element): 4 and 4,
+    2 for each bf16 key (bf16_master_weights_and_grads, bf16_optimizer_states)."""
+    precision = parsed.precision
+    return (torch.empty(0, dtype=precision.master_dtype).element_size(),
+            torch.empty(0, dtype=precision.optimizer_state_dtype).element_size())
+
+
 def _estimate(tensors: list[_Tensor], units: list[int], world: int, parsed: Zero3Config,
               device_type: str) -> MemoryEstimate:
     zero, dtype = parsed.zero, parsed.precision.dtype
     width = torch.empty(0, dtype=dtype).element_size()
+    master_w, state_w = _optimizer_widths(parsed)
     chosen = persistent_indices([t.numel for t in tensors], zero.param_persistence_threshold,
                                 zero.model_persistence_threshold)
     resident = [t for i, t in enumerate(tensors) if i in chosen]
@@ -175,12 +185,13 @@ def _estimate(tensors: list[_Tensor], units: list[int], world: int, parsed: Zero
     aliased = world == 1 and not host_params
     resident_bytes = 0 if aliased else sum(t.numel * elem_width(t) for t in resident)
     train = [t for t in tensors if t.trainable]
-    grads = sum(shard[t.name] * 4 for t in train)
-    # The master is the compute shard itself when that is fp32 and where the optimizer runs.
+    grads = sum(shard[t.name] * master_w for t in train)
+    # The master is the compute shard itself when it has the shard's dtype and lives where the
+    # optimizer runs (never in the offloaded mixed mode: bf16 masters, fp32 state).
     on_cpu = device_type == "cpu"
-    master_is_shard = dtype == torch.float32 and (on_cpu or host_params == host_optim)
-    masters = 0 if master_is_shard else sum(shard[t.name] * 4 for t in train)
-    optim = sum(shard[t.name] * 4 * states + step_bytes for t in train)
+    master_is_shard = width == master_w == state_w and (on_cpu or host_params == host_optim)
+    masters = 0 if master_is_shard else sum(shard[t.name] * master_w for t in train)
+    optim = sum(shard[t.name] * state_w * states + step_bytes for t in train)
     device: dict[str, int] = {}
     host: dict[str, int] = {}
     (host if host_params else device)["param_shards"] = param_shards
@@ -223,15 +234,16 @@ def estimate_placement(model: nn.Module | int, world_size: int, config: dict | s
         units = _units(model)
     width = torch.empty(0, dtype=parsed.precision.dtype).element_size()
     reduce_width = torch.empty(0, dtype=parsed.precision.reduce_dtype).element_size()
-    per_state = state_bytes_per_element(width, _optimizer_states(parsed)[0])
+    master_width, state_width = _optimizer_widths(parsed)
+    per_state = state_bytes_per_element(width, _optimizer_states(parsed)[0], master_width, state_width)
     numels = [n for _, params in units for n, _ in params]
     chosen = persistent_indices(numels, parsed.zero.param_persistence_threshold,
                                 parsed.zero.model_persistence_threshold)
     sizes = tuple(UnitSize(name, sum(math.ceil(n / world_size) for n, _ in params) * width,
                            sum(math.ceil(n / world_size) for n, t in params if t) * per_state,
                            sum(n for n, _ in params) * width,
-                           grad_bytes=sum(math.ceil(n / world_size) for n, t in params if t) * GRADIENT_BYTES,
-                           swap_bytes=sum(math.ceil(n / world_size) for n, t in params if t) * (per_state - GRADIENT_BYTES))
+                           grad_bytes=sum(math.ceil(n / world_size) for n, t in params if t) * master_width,
+                           swap_bytes=sum(math.ceil(n / world_size) for n, t in params if t) * (per_state - master_width))
                   for name, params in units)
     working = working_set_bytes(
         [sum(n for n, _ in params) for _, params in units], sum(n for i, n in enumerate(numels) if i not in chosen),

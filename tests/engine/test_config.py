@@ -518,7 +518,7 @@ def test_every_refused_key_gives_its_error(prefix, section, key, rule):
 
 @pytest.mark.parametrize("key", ["tensorboard", "wandb", "csv_monitor", "comet", "comms_logger",
                                  "flops_profiler", "autotuning", "hybrid_engine", "data_efficiency",
-                                 "expert_parallel", "torch_autocast"])
+                                 "expert_parallel"])
 def test_feature_blocks_accepted_only_when_disabled(key):
     assert parse({key: {"enabled": False, "output_path": "x"}})
     assert parse({key: {}})

@@ -37,6 +37,10 @@ CONFIGS = {
     "fp32-offload-optimizer": {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}},
     "resident-small": {"zero_optimization": {"stage3_param_persistence_threshold": 30}},
     "sgd-momentum": {"optimizer": {"type": "SGD", "params": {"lr": 0.01, "momentum": 0.9}}},
+    "bf16-masters-states": {"bf16": {"enabled": True, "bf16_master_weights_and_grads": True,
+                                     "bf16_optimizer_states": True}},
+    "bf16-masters-offloaded": {"bf16": {"enabled": True, "bf16_master_weights_and_grads": True},
+                               "zero_optimization": {"offload_optimizer": {"device": "cpu"}}},
 }
 
 
@@ -126,3 +130,22 @@ def test_cli_estimate_from_a_hugging_face_config(tmp_path):
     assert result["parameters"] == sum(p.numel() for p in model.parameters())
     assert result["resident"] == sum(p.numel() for p in model.parameters() if p.numel() <= 100_000)
     assert result["gathered_unit"] == 4 * sum(p.numel() for p in model.model.layers[0].parameters())
+
+
+def test_bytes_a_parameter_of_each_precision_setting():
+    """The placement's rule (placement/sizes.py) and the estimate, Adam, gradients held: 18 bytes
+    a trainable parameter with bf16 compute and fp32 masters (zero3 accumulates fp32 gradient
+    shards), 8 with both bf16 keys (the master is the shard), 14 in the offloaded mixed mode (a
+    separate bf16 master, fp32 moments)."""
+    from zero3.estimate import estimate_memory
+    from zero3.placement.sizes import state_bytes_per_element
+
+    assert 2 + state_bytes_per_element(2, 2) == 18
+    assert 2 + state_bytes_per_element(2, 2, master_width=2, state_width=2) == 8
+    assert 2 + state_bytes_per_element(2, 2, master_width=2, state_width=4) == 14
+    n = 1 << 20
+    for extra, per_param in ((CONFIGS["bf16"], 18), (CONFIGS["bf16-masters-states"], 8),
+                             (CONFIGS["bf16-masters-offloaded"], 14)):
+        estimate = estimate_memory(n, 1, merged(extra), device_type="cuda").by_category()
+        per_element = sum(v for k, v in estimate.items() if k != "resident_params") - 4  # Adam's step counter
+        assert per_element == per_param * n, (extra, estimate)

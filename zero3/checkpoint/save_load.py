@@ -10,7 +10,9 @@ the engine builds at each call, plus the config values they use as plain argumen
 Layout of `save_dir/<tag>/` (W ranks saved it):
   rank{r:05d}-of-{W:05d}.safetensors  rank r's unpadded slices, per parameter by name:
                                  param/<name>             compute-dtype values
-                                 master/<name>            fp32 master (only where separate)
+                                 master/<name>            master (only where separate), in the
+                                                          dtype it lives in (fp32, or bf16 with
+                                                          bf16_master_weights_and_grads)
                                  optim/<name>/<key>       elementwise optimizer state
                                  optim_whole/<name>/<key> any other tensor state (AdamW's step)
                                  grad/<name>              fp32 gradient accumulated so far, when
@@ -101,7 +103,7 @@ import shutil
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -141,6 +143,7 @@ from zero3.engine_parts.counters import StepCounters
 from zero3.engine_parts.views import OptimizerAccess, ShardedModel
 from zero3.placement.devices import Placement
 from zero3.optim.loss_scaler import LossScaler
+from zero3.optim.precision import MasterPrecision, converted_note
 from zero3.params.late_params import LATE_KEY, late_layout, restore_late, unmanaged_parameters
 from zero3.params.partition import ParamState, ShardedParam
 from zero3.platform.collectives import Communicator
@@ -592,7 +595,12 @@ def _write_and_commit(state: TrainingState, target: SaveTarget, client_state: di
 def checkpoint_manifest(state: TrainingState, tag: str, files: dict, kinds: dict,
                         exclude_frozen: bool) -> dict[str, Any]:
     """The manifest of a save of `state` as it is now (`files` may be filled in later)."""
-    return _manifest(state.model, state.counters, tag, files, kinds, exclude_frozen)
+    manifest = _manifest(state.model, state.counters, tag, files, kinds, exclude_frozen)
+    if state.optimizer.present:  # the dtypes masters and state are saved in (optim/precision.py)
+        precision = state.optimizer.precision()
+        manifest["master_dtype"] = _dtype_name(precision.master_dtype)
+        manifest["optimizer_state_dtype"] = _dtype_name(precision.state_dtype)
+    return manifest
 
 
 def merge_kinds(all_kinds: list[dict]) -> dict:
@@ -732,6 +740,19 @@ class _Plan:
     restore_optimizer: bool
     open_reader: Callable[[], Any]
     restore_rng: bool = False  # checkpoint.load_rng_state (DeepSpeed's folders hold no RNG state)
+    conversions: set[tuple[str, str, str]] = field(default_factory=set)  # (what, saved dtype, engine's)
+
+    def note_conversion(self, what: str, saved: torch.dtype, now: torch.dtype) -> None:
+        """Remember that `what` was saved in another dtype than the engine keeps it in."""
+        if saved != now:
+            self.conversions.add((what, str(saved), str(now)))
+
+    def log_conversions(self, rank: int) -> None:
+        """One note per conversion, on rank 0 (optim/precision.py's wording)."""
+        for what, saved, now in sorted(self.conversions):
+            if rank == 0:
+                logger.warning(converted_note(what, getattr(torch, saved.removeprefix("torch.")),
+                                              getattr(torch, now.removeprefix("torch."))))
 
 
 def _plan(state: TrainingState, folder: Path, manifest: dict[str, Any], strict: bool,
@@ -830,11 +851,15 @@ def _apply_param(optimizer: OptimizerAccess, world_size: int, sp: ShardedParam, 
     optimizer.loosen(master)  # an NVMe-tier master and its state in memory, one swap group at a time
     if master is not sp.shard:
         if plan.restore_optimizer and entry.get("master"):
-            _fill(master, reader.read_range(f"master/{sp.name}", numel, start, end))
-        else:  # as DeepSpeed: the fp32 master is refreshed from the loaded 16-bit weights
+            saved = reader.read_range(f"master/{sp.name}", numel, start, end)
+            plan.note_conversion("masters", saved.dtype, master.dtype)
+            _fill(master, saved)
+        else:  # as DeepSpeed: the master is refreshed from the loaded 16-bit weights
             _fill(master, sp.shard)
+    elif plan.restore_optimizer and entry.get("master"):  # saved apart, now the shard (rounded, as saved)
+        plan.note_conversion("masters", _saved_master_dtype(plan.manifest), master.dtype)
     if plan.restore_optimizer:
-        state = _optimizer_state_of(world_size, sp, reader, plan, master, groups[id(master)])
+        state = _optimizer_state_of(world_size, sp, reader, plan, master, groups[id(master)], optimizer.precision())
         optimizer_state = optimizer.state(paged_in=False)
         if state:
             optimizer_state[master] = state
@@ -843,7 +868,7 @@ def _apply_param(optimizer: OptimizerAccess, world_size: int, sp: ShardedParam, 
 
 
 def _optimizer_state_of(world_size: int, sp: ShardedParam, reader: ShardReader, plan: _Plan,
-                        master: torch.Tensor, group: dict) -> dict[str, Any]:
+                        master: torch.Tensor, group: dict, precision: MasterPrecision) -> dict[str, Any]:
     entry = plan.manifest["params"][sp.name]
     numel = entry["numel"]
     start, end = sp.range_of(sp.rank)
@@ -853,7 +878,9 @@ def _optimizer_state_of(world_size: int, sp: ShardedParam, reader: ShardReader, 
     for key, kind in entry.get("optim", {}).items():
         if kind == "elementwise":
             sliced = reader.read_range(f"optim/{sp.name}/{key}", numel, start, end)
-            value = torch.zeros(master.shape, dtype=sliced.dtype, device=master.device)
+            dtype = precision.state_value(sliced[:0]).dtype  # the engine's state dtype (floating state)
+            plan.note_conversion("optimizer state tensors", sliced.dtype, dtype)
+            value = torch.zeros(master.shape, dtype=dtype, device=master.device)
             _fill(value, sliced)
         else:
             value = reader.read_whole(f"optim_whole/{sp.name}/{key}", sp.rank if same_world else 0)
@@ -861,6 +888,11 @@ def _optimizer_state_of(world_size: int, sp: ShardedParam, reader: ShardReader, 
                 value = value.to(master.device)
         state[key] = value
     return state
+
+
+def _saved_master_dtype(manifest: dict[str, Any]) -> torch.dtype:
+    """The dtype the checkpoint's separate masters were saved in (fp32 before it was recorded)."""
+    return getattr(torch, manifest.get("master_dtype") or "float32")
 
 
 def _apply(state: TrainingState, plan: _Plan, load_lr_scheduler_states: bool, load_module_only: bool) -> None:
@@ -890,7 +922,8 @@ def _apply_tensors(model: ShardedModel, optimizer: OptimizerAccess, placement: P
             if sp.name in plan.manifest["params"]:
                 _apply_param(optimizer, model.comm.world_size, sp, reader, plan, masters, groups)
                 if plan.restore_optimizer and not load_module_only and plan.manifest["params"][sp.name].get("grad"):
-                    grads.append((sp, _saved_grad(placement.state_device(sp), sp, reader, plan)))
+                    dtype = masters[id(sp)].dtype if id(sp) in masters else torch.float32
+                    grads.append((sp, _saved_grad(placement.state_device(sp), sp, reader, plan, dtype)))
         saved_buffers = plan.manifest.get("buffers", {})
         with torch.no_grad():
             for name, buffer in persistent_buffers(model.module).items():
@@ -899,6 +932,7 @@ def _apply_tensors(model: ShardedModel, optimizer: OptimizerAccess, placement: P
         restore_late(model.module, model.table, plan.manifest.get("late_params", {}), reader.read_whole,
                      model.comm.rank)
     optimizer.store_loose()
+    plan.log_conversions(model.comm.rank)
     return grads
 
 
@@ -920,11 +954,13 @@ def _restore_progress(state: TrainingState, plan: _Plan, load_lr_scheduler_state
                        "not restored", rank, plan.manifest["world_size"])
 
 
-def _saved_grad(master_device: torch.device, sp: ShardedParam, reader: ShardReader, plan: _Plan) -> torch.Tensor:
-    """This rank's slice of the accumulated fp32 gradient, in a new shard-sized tensor."""
+def _saved_grad(master_device: torch.device, sp: ShardedParam, reader: ShardReader, plan: _Plan,
+                dtype: torch.dtype) -> torch.Tensor:
+    """This rank's slice of the accumulated gradient, in a new shard-sized tensor of the
+    engine's gradient dtype (the master's)."""
     numel = plan.manifest["params"][sp.name]["numel"]
     start, end = sp.range_of(sp.rank)
-    grad = torch.zeros(sp.shard_numel, dtype=torch.float32, device=master_device)
+    grad = torch.zeros(sp.shard_numel, dtype=dtype, device=master_device)
     _fill(grad, reader.read_range(f"grad/{sp.name}", numel, start, end))
     return grad
 

@@ -26,8 +26,10 @@ from zero3.engine_parts.errors import EngineError, EngineUsageError  # noqa: F40
 from zero3.grads.reduce import GradReducer
 from zero3.grads.usage import GradUsage
 from zero3.optim.host_step import BackgroundStep
+from zero3.engine_parts.autocast import param_reduce_dtypes
 from zero3.optim.masters import ShardedOptimizer
 from zero3.optim.nvme_state import OptimizerSwap
+from zero3.optim.precision import MasterPrecision
 from zero3.optim.optimizers import build_optimizer, build_scheduler
 from zero3.params.fetch import Fetcher
 from zero3.params.fetch_unit import FetchUnit
@@ -245,7 +247,7 @@ def build_sharded_optimizer(config: Zero3Config, client: torch.optim.Optimizer |
                             table: dict[nn.Parameter, ShardedParam], comm: Communicator,
                             placement: Placement, fetcher: Fetcher, usage: GradUsage,
                             background: BackgroundStep | None) -> ShardedOptimizer | None:
-    """The client optimizer over fp32 master shards (None without one); `usage` tells it
+    """The client optimizer over master shards (None without one); `usage` tells it
     which parameters got no gradient in a window (grads/usage.py). With offload_optimizer
     "nvme" it holds the NVMe tier (optim/nvme_state.py; a collective: every rank checks its
     swap folder)."""
@@ -263,6 +265,7 @@ def build_sharded_optimizer(config: Zero3Config, client: torch.optim.Optimizer |
         background=background,
         leaf_modules={unit.module: unit.params for unit in fetcher.units if unit.leaf},
         swap=swap,
+        precision=MasterPrecision.of(config.precision),
     )
 
 
@@ -310,8 +313,11 @@ def _is_scheduler_factory(value: Any) -> bool:
 # --------------------------------------------------- gradients and gathering
 def build_reducer(config: Zero3Config, table: dict[nn.Parameter, ShardedParam], units: list[FetchUnit],
                   comm: Communicator, placement: Placement,
-                  background: BackgroundStep | None) -> GradReducer:
-    """The gradient reducer; leaf units' gradients deferred to a point every rank shares."""
+                  background: BackgroundStep | None, module: nn.Module | None = None) -> GradReducer:
+    """The gradient reducer; leaf units' gradients deferred to a point every rank shares;
+    gradient shards in the master dtype; under torch_autocast the lower-precision-safe
+    modules of `module` reduced in the autocast dtype (engine_parts/autocast.py)."""
+    per_param = param_reduce_dtypes(module, table, config.precision) if module is not None else {}
     reducer = GradReducer(
         list(table.values()),
         comm,
@@ -322,6 +328,8 @@ def build_reducer(config: Zero3Config, table: dict[nn.Parameter, ShardedParam], 
         predivide_factor=config.gradient_predivide_factor,
         overlap=config.zero.overlap_comm,
         fence=background.wait if background is not None else None,
+        grad_dtype=MasterPrecision.of(config.precision).grad_dtype,
+        param_reduce_dtypes=per_param,
     )
     reducer.backward_divisor = float(config.gradient_accumulation_steps)
     for unit in units:

@@ -30,14 +30,14 @@ from zero3.params.wire import gather_rows
 from zero3.placement.budget import BudgetChoice, choose_budget, measured_budget
 from zero3.placement.devices import Placement
 from zero3.placement.plan import Plan, PlacementError, PlanInputs, Tier, UnitSize, make_plan, widened
-from zero3.placement.sizes import GRADIENT_BYTES, state_bytes_per_element, working_set_bytes
+from zero3.placement.sizes import state_bytes_per_element, working_set_bytes
 from zero3.platform.collectives import Communicator
 
 logger = logging.getLogger("zero3")
 
 
 def optimizer_state_elements(optimizer: torch.optim.Optimizer | None) -> int:
-    """fp32 state tensors the client optimizer keeps per master element (an upper bound
+    """State tensors the client optimizer keeps per master element (an upper bound
     of 2 for a kind not listed)."""
     if optimizer is None:
         return 0
@@ -60,12 +60,19 @@ class SizeRules:
     width: int  # compute dtype
     per_state_element: int  # gradient shard, master, optimizer state
     reduce_width: int
+    grad_width: int  # a gradient shard's element (the master dtype), as a device accumulator holds it
 
     @classmethod
     def of(cls, config: Zero3Config, optimizer: torch.optim.Optimizer | None) -> "SizeRules":
-        width = torch.empty(0, dtype=config.precision.dtype).element_size()
-        reduce_width = torch.empty(0, dtype=config.precision.reduce_dtype).element_size()
-        return cls(width, state_bytes_per_element(width, optimizer_state_elements(optimizer)), reduce_width)
+        precision = config.precision
+        width, reduce_width = _width(precision.dtype), _width(precision.reduce_dtype)
+        per_state = state_bytes_per_element(width, optimizer_state_elements(optimizer), _width(precision.master_dtype),
+                                            _width(precision.optimizer_state_dtype))
+        return cls(width, per_state, reduce_width, _width(precision.master_dtype))
+
+
+def _width(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
 
 
 def unit_sizes(units: list[FetchUnit], rules: SizeRules, trains: bool) -> tuple[UnitSize, ...]:
@@ -76,7 +83,7 @@ def unit_sizes(units: list[FetchUnit], rules: SizeRules, trains: bool) -> tuple[
         state_bytes = sum(sp.shard_numel for sp in unit.params if sp.requires_grad) * rules.per_state_element \
             if trains else 0
         gathered = sum(sp.numel * sp.param.element_size() for sp in unit.params)
-        grads = sum(sp.shard_numel for sp in unit.params if sp.requires_grad) * GRADIENT_BYTES if trains else 0
+        grads = sum(sp.shard_numel for sp in unit.params if sp.requires_grad) * rules.grad_width if trains else 0
         sizes.append(UnitSize(unit.name, param_bytes, state_bytes, gathered, grad_bytes=grads,
                               swap_bytes=state_bytes - grads))
     return tuple(sizes)
@@ -218,7 +225,7 @@ def move_to_plan(owners: PlacementOwners, plan: Plan) -> int:
                 sp.move_shard(placement.device_of(params), pin)
             placement.assign(sp, params, state)
             if owners.optimizer is not None and sp.requires_grad:
-                reshare(sp, owners.optimizer.master_of(sp))
+                reshare(sp, owners.optimizer.master_of(sp), owners.optimizer.precision)
             moved += 1
     placement.plan = plan
     owners.sink.placement_changed()

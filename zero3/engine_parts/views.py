@@ -6,7 +6,7 @@ accessors each take the view they read instead of the engine:
 - `ShardedModel`: the client's model, its `ShardedParam` table, the process group it is
   sharded over, the compute device and dtype. Built once by the engine; every field is
   fixed for the engine's life (the table is the engine's own dict, not a copy).
-- `OptimizerAccess`: the fp32 masters and the client optimizer's state and param groups,
+- `OptimizerAccess`: the masters (fp32 or bf16) and the client optimizer's state and param groups,
   each read only after any update still running behind the forward is complete
   (optim/host_step.py), so a reader never sees a half-applied step. Without an optimizer it
   reads as empty: no masters, no state, no groups. Masters and state of the NVMe tier
@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from zero3.optim.masters import ShardedOptimizer, settle
+from zero3.optim.precision import MasterPrecision
 from zero3.optim.state_probe import foreseen_state
 from zero3.params.partition import ShardedParam
 from zero3.platform.collectives import Communicator
@@ -82,6 +83,10 @@ class OptimizerAccess:
         self._paged_in(paged_in)
         return self.sharded.settled_masters()
 
+    def precision(self) -> MasterPrecision:
+        """The dtypes of masters, gradient shards and optimizer state (fp32 without an optimizer)."""
+        return self.sharded.precision if self.sharded is not None else MasterPrecision()
+
     def master_of(self, sp: ShardedParam) -> torch.Tensor | None:
         """The fp32 master of `sp`, or None for a parameter the optimizer does not step."""
         if self.sharded is None:
@@ -124,7 +129,8 @@ class OptimizerAccess:
         if self.sharded is None:
             return {}
         self._paged_in(True)
-        return foreseen_state(self.sharded.optimizer)
+        precision = self.sharded.precision
+        return foreseen_state(self.sharded.optimizer, precision.state_dtype if precision.upcasts else None)
 
     def param_groups(self) -> list[dict[str, Any]]:
         """The client optimizer's param groups (their `params` are the masters)."""

@@ -4,7 +4,7 @@ When autograd has accumulated a parameter's full gradient (post-accumulate-grad 
 the gradient is copied into the pending bucket and `param.grad` is set to None at once,
 so no full gradient outlives its hook. A bucket is reduce-scattered (a sum, scaled to the mean over ranks)
 when it reaches `bucket_numel` elements and at the end of every backward; each rank adds
-its slice into `ShardedParam.grad_shard` (fp32, through `GradSink`), which therefore
+its slice into `ShardedParam.grad_shard` (fp32, or bf16 with bf16 masters: `GradSink`), which therefore
 accumulates over the micro-steps of a gradient-accumulation window.
 
 Memory ownership: the bucket's staging buffer is owned here and lives only during a
@@ -37,7 +37,7 @@ from zero3.platform.collectives import Communicator
 
 
 class GradReducer:
-    """Turns full parameter gradients into averaged fp32 shard gradients."""
+    """Turns full parameter gradients into averaged shard gradients (fp32 or bf16, GradSink)."""
 
     def __init__(
         self,
@@ -50,10 +50,15 @@ class GradReducer:
         predivide_factor: float = 1.0,
         overlap: bool = True,
         fence: Callable[[], None] | None = None,
+        grad_dtype: torch.dtype = torch.float32,
+        param_reduce_dtypes: dict[int, torch.dtype] | None = None,
     ) -> None:
         """`overlap` (DeepSpeed's overlap_comm): False waits for each bucket's
         reduce-scatter before backward goes on (less memory in flight, no overlap).
-        `fence`: called before a gradient shard is written (GradSink)."""
+        `fence`: called before a gradient shard is written (GradSink). `grad_dtype`: the
+        gradient shards' dtype (GradSink). `param_reduce_dtypes`: id(ShardedParam) -> the
+        dtype its gradient is reduced in, over `reduce_dtype` (torch_autocast's
+        lower_precision_safe_modules, engine_parts/autocast.py)."""
         self.comm = comm
         self.overlap = overlap
         self.prescale = prescale
@@ -61,7 +66,9 @@ class GradReducer:
         self.bucket_numel = max(int(bucket_numel), 1)
         self.reduce_dtype = reduce_dtype
         self.placement = placement
-        self.sink = GradSink(params, placement, staging_bytes=4 * 2 * self.bucket_numel, fence=fence)
+        self.sink = GradSink(params, placement, staging_bytes=4 * 2 * self.bucket_numel, fence=fence,
+                             grad_dtype=grad_dtype)
+        self.param_reduce_dtypes = param_reduce_dtypes or {}
         self.pending: list[tuple[ShardedParam, torch.Tensor]] = []
         self.deferred_ids: set[int] = set()
         self.deferred: dict[int, torch.Tensor] = {}
@@ -199,6 +206,7 @@ class GradReducer:
         self.comm.all_reduce(held)  # a parameter no rank holds a gradient for stays without one
         divisor, self.backward_divisor = self.backward_divisor, 1.0  # applied while holding
         reduce_dtype, self.reduce_dtype = self.reduce_dtype, torch.float32  # the fp32 sums, unrounded
+        per_param, self.param_reduce_dtypes = self.param_reduce_dtypes, {}
         try:
             self.reduce_deferred([sp for sp, anywhere in zip(trainable, held.tolist()) if anywhere],
                                  held_only=False, zeros_dtype=torch.float32)
@@ -206,6 +214,7 @@ class GradReducer:
         finally:
             self.backward_divisor = divisor
             self.reduce_dtype = reduce_dtype
+            self.param_reduce_dtypes = per_param
 
     def flush(self) -> None:
         """Reduce every pending gradient and wait: afterwards each `grad_shard` is complete
@@ -224,8 +233,13 @@ class GradReducer:
         if not self.pending:
             return
         pending, self.pending, self.pending_numel = self.pending, [], 0
-        for dtype, group in group_by_dtype(pending, lambda item: self.reduce_dtype or item[1].dtype):
+        for dtype, group in group_by_dtype(pending, self._reduce_dtype_of):
             self._reduce_group(group, dtype)
+
+    def _reduce_dtype_of(self, item: tuple[ShardedParam, torch.Tensor]) -> torch.dtype:
+        """The dtype `item`'s gradient is reduced in: its parameter's own (torch_autocast), else
+        `reduce_dtype`, else the gradient's."""
+        return self.param_reduce_dtypes.get(id(item[0])) or self.reduce_dtype or item[1].dtype
 
     def _reduce_group(self, group: list[tuple[ShardedParam, torch.Tensor]], dtype: torch.dtype) -> None:
         if not self.comm.active:

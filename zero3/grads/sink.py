@@ -1,4 +1,8 @@
-"""Where averaged gradient slices end up: each ShardedParam's fp32 `grad_shard`.
+"""Where averaged gradient slices end up: each ShardedParam's `grad_shard`.
+
+Gradient shards are fp32, or bf16 with DeepSpeed's bf16_master_weights_and_grads
+(`grad_dtype`, optim/precision.py): accumulation over micro-steps then adds in bf16, as
+DeepSpeed's bf16 gradient partitions do.
 
 The reducer hands over, for one parameter, this rank's slice of the averaged gradient
 (`deliver`); the sink adds it into the parameter's gradient shard on the optimizer's
@@ -62,12 +66,13 @@ from zero3.placement.devices import Placement
 
 
 class GradSink:
-    """Accumulates gradient slices into fp32 gradient shards where `placement` puts each
-    parameter's optimizer side."""
+    """Accumulates gradient slices into `grad_dtype` gradient shards where `placement` puts
+    each parameter's optimizer side."""
 
     def __init__(self, params: list[ShardedParam], placement: Placement, staging_bytes: int,
-                 fence: Callable[[], None] | None = None) -> None:
+                 fence: Callable[[], None] | None = None, grad_dtype: torch.dtype = torch.float32) -> None:
         self.placement = placement
+        self.grad_dtype = grad_dtype
         self.params = [sp for sp in params if sp.requires_grad]
         self.staging_bytes = max(int(staging_bytes), 1)
         self._host_views: dict[int, torch.Tensor] | None = None  # id(sp) -> view of the pinned buffer
@@ -123,13 +128,13 @@ class GradSink:
             self._write_local_on(device, on_device)
 
     def _write_local_on(self, device: torch.device, pairs: list[tuple[ShardedParam, torch.Tensor]]) -> None:
-        """The first slices of the window are cast into views of one fresh fp32 buffer on
+        """The first slices of the window are cast into views of one fresh `grad_dtype` buffer on
         `device` (`_foreach_copy_`), later ones added (`_foreach_add_`). The buffer lives as
         long as any of its views."""
         first = [(sp, piece) for sp, piece in pairs if sp.grad_shard is None]
         later = [(sp, piece) for sp, piece in pairs if sp.grad_shard is not None]
         if first:
-            flat = torch.empty(sum(sp.shard_numel for sp, _ in first), dtype=torch.float32, device=device)
+            flat = torch.empty(sum(sp.shard_numel for sp, _ in first), dtype=self.grad_dtype, device=device)
             views, heads = [], []
             offset = 0
             for sp, piece in first:
@@ -194,7 +199,7 @@ class GradSink:
             held[: piece.numel()].add_(piece)
             sp.grad_shard, piece = None, held
         first = sp.grad_shard is None
-        source = piece.float() if first and piece.dtype != torch.float32 else piece
+        source = piece.to(self.grad_dtype) if first and piece.dtype != self.grad_dtype else piece
         if first:
             sp.grad_sq_norm = torch.linalg.vector_norm(source, dtype=torch.float64).square()
         stream = self._stream(source.device)
@@ -247,7 +252,7 @@ class GradSink:
         if self._host_views is None:
             on_host = [p for p in self.params if self.placement.state_device(p).type == "cpu"]
             total = sum(p.shard_numel for p in on_host)
-            self._host_buffer = torch.zeros(total, dtype=torch.float32, pin_memory=True)
+            self._host_buffer = torch.zeros(total, dtype=self.grad_dtype, pin_memory=True)
             self._host_views = {}
             offset = 0
             for p in on_host:

@@ -1,10 +1,11 @@
-"""fp32 master shards, the client optimizer remapped onto them, clipping.
+"""Master shards, the client optimizer remapped onto them, clipping.
 
-Memory ownership: `ShardedOptimizer` owns one fp32 master shard per trainable parameter
+Memory ownership: `ShardedOptimizer` owns one master shard per trainable parameter
 (`masters[i]` pairs with `params[i]`), on the device the placement gives that parameter's
-optimizer side (zero3/placement/devices.py); its optimizer state follows it. When the
-compute dtype is fp32 and the master lives on the same device as the shard, the master
-*is* the compute shard (no second copy).
+optimizer side (zero3/placement/devices.py); its optimizer state follows it. Masters are
+fp32, or bf16 with DeepSpeed's bf16_master_weights_and_grads (optim/precision.py says which
+dtypes and how bf16 masters step). When the master's dtype is the compute dtype and it lives
+on the same device as the shard, the master *is* the compute shard (no second copy).
 The client optimizer's param groups are rewritten in place to hold the masters, so its
 hyper-parameters, its identity (lr schedulers hold it) and its state_dict format are kept;
 its per-parameter state (exp_avg, ...) is therefore shard-sized.
@@ -43,6 +44,7 @@ from torch import nn
 from zero3.grads.usage import GradUsage
 from zero3.optim.host_step import BackgroundStep
 from zero3.optim.nvme_state import OptimizerSwap, attached
+from zero3.optim.precision import MasterPrecision
 from zero3.optim.state_moves import move_master
 from zero3.optim.write_back import ShardWriteBack, record_current_stream
 from zero3.params.partition import ShardedParam
@@ -92,14 +94,17 @@ class ShardedOptimizer:
         background: BackgroundStep | None = None,
         leaf_modules: dict[nn.Module, list[ShardedParam]] | None = None,
         swap: OptimizerSwap | None = None,
+        precision: MasterPrecision | None = None,
     ) -> None:
         """`sub_group_numel`: elements per optimizer call (0: all at once). `unit_order`:
         given only when the update is to run behind the next forward (see the module doc), on
         `background`, the worker the fetcher and gradient sink were built to wait for.
         `usage`: which leaf parameters got a real gradient in the window (grads/usage.py);
         None when every gradient shard stands for a real gradient. `leaf_modules`: see leaf_parameters_of.
-        `swap`: the NVMe tier's masters and state (optim/nvme_state.py), None without one."""
+        `swap`: the NVMe tier's masters and state (optim/nvme_state.py), None without one.
+        `precision`: the masters' and state's dtypes (optim/precision.py; None: fp32)."""
         self.optimizer = optimizer
+        self.precision = precision or MasterPrecision()
         self.comm = comm
         self.placement = placement
         self.gradient_clipping = gradient_clipping
@@ -121,14 +126,6 @@ class ShardedOptimizer:
         self.swap = attached(swap, self)
 
     # ------------------------------------------------------------------ setup
-    def _master_for(self, sp: ShardedParam) -> torch.Tensor:
-        device = self.placement.state_device(sp)
-        shares_storage = sp.shard.dtype == torch.float32 and sp.shard.device == device
-        if shares_storage:
-            return sp.shard
-        master = sp.shard.to(device, torch.float32, copy=True)
-        return master.pin_memory() if self.pin_memory and device.type == "cpu" else master
-
     def _remap_param_groups(self, table: dict[torch.nn.Parameter, ShardedParam]) -> None:
         if self.optimizer.state:
             raise OptimizerSetupError(
@@ -148,7 +145,7 @@ class ShardedOptimizer:
                 if not sp.requires_grad:
                     continue  # frozen: never has a gradient, needs no master
                 self.params.append(sp)
-                master = self._master_for(sp)
+                master = self.precision.make_master(sp.shard, self.placement.state_device(sp), self.pin_memory)
                 self.masters.append(master)
                 masters.append(master)
             group["params"] = masters
@@ -211,7 +208,7 @@ class ShardedOptimizer:
         local = torch.zeros(1, dtype=torch.float64, device=device)
         for on_device in grads.values():
             # One fused pass for all shards of a device, whatever their number.
-            norms = torch._foreach_norm(on_device, 2.0)
+            norms = torch._foreach_norm(on_device, 2.0, dtype=torch.float32)  # bf16 gradient shards too
             local = local + torch.stack(norms).double().pow(2).sum().to(device)
         if known:
             local = local + torch.stack(known).sum().to(device) / grad_divisor ** 2
@@ -275,7 +272,7 @@ class ShardedOptimizer:
                 grad_scale = self._clip_divisor(squared)
             else:
                 self._clip(squared)
-        groups = self._separate_first_momentum(self.sub_groups())
+        groups = separate_first_momentum(self.optimizer, self.masters, self.sub_groups())
         if self.unit_order is not None:
             on_device = [g for g in groups if self._tier_of(g) is Tier.DEVICE]
             self._step_now(on_device, grad_scale, squared if skip_in_kernel else None, keep_others=True)
@@ -342,14 +339,14 @@ class ShardedOptimizer:
         for group in self._ordered_sub_groups():
             for tier in Tier:
                 part = [i for i in group if self.placement.state_tier(self.params[i]) is tier]
-                groups.extend(self._split(part) if part else [])
+                groups.extend(split_numel(self.masters, self.sub_group_numel, part) if part else [])
         if self.unit_order is None:
             groups.sort(key=lambda g: self._tier_of(g) is not Tier.DEVICE)  # stable: device tier first
         return groups
 
     def _ordered_sub_groups(self) -> list[list[int]]:
         if self.unit_order is None:
-            return self._split(list(range(len(self.params))))
+            return split_numel(self.masters, self.sub_group_numel, list(range(len(self.params))))
         position = {id(sp): i for i, sp in enumerate(self.params)}
         resident = [i for i, sp in enumerate(self.params) if sp.persistent]
         taken = set(resident)
@@ -361,49 +358,9 @@ class ShardedOptimizer:
                 if i is not None and i not in taken:
                     taken.add(i)
                     members.append(i)
-            groups.extend(self._split(members))
-        groups.extend(self._split([i for i in range(len(self.params)) if i not in taken]))
-        return groups
-
-    def _separate_first_momentum(self, groups: list[list[int]]) -> list[list[int]]:
-        """torch's fused SGD treats a call's momentum buffers as all first (none exists yet)
-        or all later ones, and fails on a mix. A parameter stepped for the first time next
-        to parameters that have stepped before (it had no gradient until now) is stepped in
-        a call of its own, just before the rest of its sub-group (the result is the same:
-        the update is elementwise)."""
-        if not isinstance(self.optimizer, torch.optim.SGD):
-            return groups
-        state = self.optimizer.state
-
-        def first(i: int) -> bool:
-            master = self.masters[i]
-            return master.grad is not None and state.get(master, {}).get("momentum_buffer") is None
-
-        separated = []
-        for group in groups:
-            new = [i for i in group if first(i)]
-            rest = [i for i in group if not first(i)]
-            if new and any(self.masters[i].grad is not None for i in rest):
-                separated += [new, rest]
-            else:
-                separated.append(group)
-        return separated
-
-    def _split(self, indices: list[int]) -> list[list[int]]:
-        """Consecutive runs of at most `sub_group_numel` elements (whole parameters)."""
-        if not indices:
-            return []
-        if not self.sub_group_numel:
-            return [indices]
-        groups: list[list[int]] = [[]]
-        numel = 0
-        for i in indices:
-            size = self.masters[i].numel()
-            if groups[-1] and numel + size > self.sub_group_numel:
-                groups.append([])
-                numel = 0
-            groups[-1].append(i)
-            numel += size
+            groups.extend(split_numel(self.masters, self.sub_group_numel, members))
+        rest = [i for i in range(len(self.params)) if i not in taken]
+        groups.extend(split_numel(self.masters, self.sub_group_numel, rest))
         return groups
 
     def _step_in_sub_groups(self, groups: list[list[int]], keep_others: bool = False) -> None:
@@ -413,7 +370,8 @@ class ShardedOptimizer:
         `keep_others`: the gradients of masters in no group are put back afterwards."""
         if len(groups) == 1 and len(groups[0]) == len(self.params):
             with self.swap.stepping(0, groups):  # masters in memory through the write-back
-                self.optimizer.step()
+                with self.precision.stepping(self.masters):
+                    self.optimizer.step()
                 self._write_back_shards(groups[0])
             return
         grads = [m.grad for m in self.masters]
@@ -423,7 +381,8 @@ class ShardedOptimizer:
             for i in group:
                 self.masters[i].grad = grads[i]
             with self.swap.stepping(k, groups):
-                self.optimizer.step()
+                with self.precision.stepping([self.masters[i] for i in group]):
+                    self.optimizer.step()
                 self._write_back_shards(group)
             for i in group:
                 self.masters[i].grad = None
@@ -454,7 +413,8 @@ class ShardedOptimizer:
 
         def run(index: int) -> None:
             with self.swap.stepping(index, groups):
-                shadows[index].step()
+                with self.precision.stepping([self.masters[i] for i in groups[index]]):
+                    shadows[index].step()
                 self._write_back_shards(groups[index], after=queued)
             for i in groups[index]:
                 self.masters[i].grad = None
@@ -528,6 +488,50 @@ class ShardedOptimizer:
         (after the update in flight, if any)."""
         self.wait()
         return self._master_by_param.get(id(sp))
+
+
+def separate_first_momentum(optimizer: torch.optim.Optimizer, masters: list[torch.Tensor],
+                            groups: list[list[int]]) -> list[list[int]]:
+    """torch's fused SGD treats a call's momentum buffers as all first (none exists yet)
+    or all later ones, and fails on a mix. A parameter stepped for the first time next
+    to parameters that have stepped before (it had no gradient until now) is stepped in
+    a call of its own, just before the rest of its sub-group (the result is the same:
+    the update is elementwise). `groups` index `masters`."""
+    if not isinstance(optimizer, torch.optim.SGD):
+        return groups
+    state = optimizer.state
+
+    def first(i: int) -> bool:
+        master = masters[i]
+        return master.grad is not None and state.get(master, {}).get("momentum_buffer") is None
+
+    separated = []
+    for group in groups:
+        new = [i for i in group if first(i)]
+        rest = [i for i in group if not first(i)]
+        if new and any(masters[i].grad is not None for i in rest):
+            separated += [new, rest]
+        else:
+            separated.append(group)
+    return separated
+
+
+def split_numel(masters: list[torch.Tensor], sub_group_numel: int, indices: list[int]) -> list[list[int]]:
+    """Consecutive runs of at most `sub_group_numel` elements (whole parameters; 0: one run)."""
+    if not indices:
+        return []
+    if not sub_group_numel:
+        return [indices]
+    groups: list[list[int]] = [[]]
+    numel = 0
+    for i in indices:
+        size = masters[i].numel()
+        if groups[-1] and numel + size > sub_group_numel:
+            groups.append([])
+            numel = 0
+        groups[-1].append(i)
+        numel += size
+    return groups
 
 
 def dist_backend_is_nccl() -> bool:

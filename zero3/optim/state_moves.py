@@ -5,7 +5,7 @@ The master keeps its identity (`master.data` is replaced): the client optimizer'
 groups and its `state` dict are keyed by it, and shadow optimizers hold it. A master that
 is the parameter shard itself (fp32 compute) moves with it; the shard's owner then finds it
 already there. The state's tensors follow, except a `step` counter that torch keeps on the
-CPU for an implementation that is neither fused nor capturable. `reshare` makes an fp32 master
+CPU for an implementation that is neither fused nor capturable. `reshare` makes a master
 the shard again once both sit on one device.
 """
 
@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from zero3.optim.precision import MasterPrecision
 from zero3.params.partition import ShardedParam
 
 
@@ -36,11 +37,11 @@ def move_master(master: torch.Tensor, state: dict[str, Any], group: dict[str, An
             state[key] = value.to(device)
 
 
-def reshare(sp: ShardedParam, master: torch.Tensor | None) -> None:
-    """An fp32 master next to its fp32 shard becomes the shard again (one copy, the
-    master's identity kept)."""
+def reshare(sp: ShardedParam, master: torch.Tensor | None, precision: MasterPrecision) -> None:
+    """A master next to its shard, of the shard's dtype, becomes the shard again (one copy,
+    the master's identity kept) where `precision` lets a master be its shard."""
     if (master is not None and master is not sp.shard and not sp.aliased
-            and master.dtype == sp.shard.dtype == torch.float32 and master.device == sp.shard.device):
+            and master.dtype == sp.shard.dtype and precision.shares_storage(sp.shard, master.device)):
         with torch.no_grad():
             master.copy_(sp.shard)
         sp.adopt_shard(master)

@@ -35,18 +35,22 @@ class _Slot(NamedTuple):
     dtype: torch.dtype
 
 
-def foreseen_state(optimizer: torch.optim.Optimizer) -> dict[Any, dict[str, Any]]:
+def foreseen_state(optimizer: torch.optim.Optimizer, step_dtype: torch.dtype | None = None
+                   ) -> dict[Any, dict[str, Any]]:
     """`optimizer.state` (a new dict, its values the optimizer's own) with, for every param
-    that has no state yet, the state its first step will create, as meta tensors."""
+    that has no state yet, the state its first step will create, as meta tensors.
+    `step_dtype`: the dtype params are stepped in when it is not their own (bf16 masters
+    lifted to fp32 for the step, optim/precision.py)."""
     state: dict[Any, dict[str, Any]] = {param: values for param, values in optimizer.state.items() if values}
     probes: dict[tuple, dict[str, _Slot]] = {}
     for index, group in enumerate(optimizer.param_groups):
         for param in group["params"]:
             if param in state:
                 continue
-            key = (index, param.dtype, param.device)
+            dtype = step_dtype or param.dtype
+            key = (index, dtype, param.device)
             if key not in probes:
-                probes[key] = _probe(type(optimizer), group, param.dtype, param.device)
+                probes[key] = _probe(type(optimizer), group, dtype, param.device)
             state[param] = {name: torch.empty(param.shape if slot.elementwise else slot.shape,
                                               dtype=slot.dtype, device="meta")
                             for name, slot in probes[key].items()}

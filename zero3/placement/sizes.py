@@ -3,10 +3,13 @@ and `zero3 estimate` (estimate.py) both charge, so that the estimate shows the p
 engine will make.
 
 - a unit's parameter shards: its shard elements in the compute dtype;
-- its optimizer side, per trainable shard element: the fp32 gradient shard (4 bytes, also
-  what a device accumulator of a host-side unit holds), the
-  fp32 master (4, or 0 when the compute dtype is fp32 and the master is the shard itself)
-  and the optimizer's fp32 state tensors (4 each);
+- its optimizer side, per trainable shard element: the gradient shard (also what a device
+  accumulator of a host-side unit holds) and the master in the master dtype (4 bytes each
+  for fp32; 2 for bf16 with bf16_master_weights_and_grads; the master costs 0 when it is the
+  shard itself: same dtype as the compute shard, and not the offloaded mixed mode whose
+  master is lifted to fp32 for the step) and the optimizer's state tensors in the state
+  dtype (4 each, 2 with bf16_optimizer_states): 16 bytes a parameter in all with bf16
+  compute and fp32 masters, 8 with both bf16 keys;
 - the working set: gathered units (at most stage3_max_live_parameters elements, at least
   the two largest units: one running, one prefetched) and two gradient buckets (one being
   filled, one being reduced) in the reduce dtype.
@@ -15,12 +18,14 @@ engine will make.
 from __future__ import annotations
 
 FP32 = 4
-GRADIENT_BYTES = FP32  # a gradient shard (or its accumulator on the device) per trainable element
 
 
-def state_bytes_per_element(compute_width: int, optimizer_states: int) -> int:
-    master = 0 if compute_width == FP32 else FP32
-    return FP32 + master + FP32 * optimizer_states
+def state_bytes_per_element(compute_width: int, optimizer_states: int, master_width: int = FP32,
+                            state_width: int = FP32) -> int:
+    """Bytes of a trainable shard element's optimizer side (the module docstring's rule)."""
+    shares = compute_width == master_width and master_width == state_width
+    master = 0 if shares else master_width
+    return master_width + master + state_width * optimizer_states
 
 
 def working_set_bytes(unit_numels: list[int], sharded_numel: int, max_live_numel: int, width: int,

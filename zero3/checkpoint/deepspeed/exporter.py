@@ -19,7 +19,9 @@ built the same way resumes it. The sub_group_size and the optimizer DeepSpeed bu
       optimizer_state_dict: zero_stage, loss_scaler (DeepSpeed's class, pickling.py),
       dynamic_loss_scale, overflow, partition_count, the torch optimizer's state dict
       (entry i = sub-group i: its flat Adam moments and step; param groups with their
-      hyper-parameters) and fp32_flat_groups (rank R's masters, one flat per sub-group)
+      hyper-parameters) and fp32_flat_groups (rank R's masters, one flat per sub-group; the
+      flats and moments in the dtypes the source saved them in: bf16 from a run with
+      bf16_master_weights_and_grads / bf16_optimizer_states, whose keys ds_config then carries)
 
 Sub-groups are DeepSpeed's: each param group's parameters in the group's order, cut
 after the parameter that brings the rank's element count to `sub_group_size` or more
@@ -114,14 +116,22 @@ def sub_groups(manifest: dict, common: dict, folder: Path, world: int,
     return result, group_of
 
 
-def _rank_slice(reader: ckpt.ShardReader, key: str, member: Member, rank: int) -> torch.Tensor:
-    """Rank `rank`'s padded slice (member.partition elements) of saved tensor `key`, fp32."""
-    out = torch.zeros(member.partition, dtype=torch.float32)
+def _rank_slice(reader: ckpt.ShardReader, key: str, member: Member, rank: int,
+                dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Rank `rank`'s padded slice (member.partition elements) of saved tensor `key`, in `dtype`."""
+    out = torch.zeros(member.partition, dtype=dtype)
     start = rank * member.partition
     end = min(start + member.partition, member.numel)
     if start < end:
-        out[: end - start] = reader.read_range(key, member.numel, start, end).to(torch.float32)
+        out[: end - start] = reader.read_range(key, member.numel, start, end).to(dtype)
     return out
+
+
+def saved_dtypes(manifest: dict) -> tuple[torch.dtype, torch.dtype]:
+    """(masters, optimizer state) dtypes the checkpoint was saved with (fp32 where it does not
+    say: saved before zero3 recorded them); DeepSpeed's flats and moments are written in them."""
+    return (getattr(torch, manifest.get("master_dtype") or "float32"),
+            getattr(torch, manifest.get("optimizer_state_dtype") or "float32"))
 
 
 def _master_key(manifest: dict, name: str) -> str:
@@ -197,6 +207,10 @@ def _ds_config(export: _Export) -> dict[str, Any]:
         "zero_optimization": {"stage": 3, "sub_group_size": export.target.sub_group_size},
         "bf16": {"enabled": dtype == torch.bfloat16}, "fp16": {"enabled": dtype == torch.float16},
     }
+    master_dtype, state_dtype = saved_dtypes(export.manifest)
+    if master_dtype == torch.bfloat16:  # DeepSpeed's keys for the dtypes the flats and moments are in
+        config["bf16"]["bf16_master_weights_and_grads"] = True
+        config["bf16"]["bf16_optimizer_states"] = state_dtype == torch.bfloat16
     if common.get("lr_scheduler_type") in DEEPSPEED_SCHEDULERS:
         config["scheduler"] = {"type": common["lr_scheduler_type"]}
     recorded = common.get("ds_config") or {}  # kept so that importing the export finds the same optimizer
@@ -214,14 +228,17 @@ DEEPSPEED_SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle
 def _optim_state(export: _Export, reader: ckpt.ShardReader, rank: int) -> dict[str, Any]:
     """Rank `rank`'s optimizer file contents."""
     flats, state = [], {}
+    master_dtype, state_dtype = saved_dtypes(export.manifest)
     for index, (group, sub_state) in enumerate(zip(export.groups, export.states)):
-        flat = torch.cat([_rank_slice(reader, _master_key(export.manifest, m.name), m, rank) for m in group])
+        flat = torch.cat([_rank_slice(reader, _master_key(export.manifest, m.name), m, rank, master_dtype)
+                          for m in group])
         flats.append(flat.requires_grad_(True))
         entry: dict[str, Any] = {key: value.clone() for key, value in sub_state["scalars"].items()}
         if "step" in entry:
             entry["step"] = deepspeed_step(entry["step"], export.target)
         for key in sub_state["elementwise"]:
-            entry[key] = torch.cat([_rank_slice(reader, f"optim/{m.name}/{key}", m, rank) for m in group])
+            entry[key] = torch.cat([_rank_slice(reader, f"optim/{m.name}/{key}", m, rank, state_dtype)
+                                    for m in group])
         entry.update(sub_state["extras"])
         if entry:
             state[index] = entry

@@ -8,8 +8,10 @@ which loads on any number of ranks like any other zero3 checkpoint.
 
 What is written, per parameter: its compute-dtype values (`param/`, the fp32 master cast
 to the run's dtype, as DeepSpeed refreshes them on load; a frozen parameter's own
-values), the fp32 master where it differs from those (`master/`), and the optimizer
-state (`optim/`, `optim_whole/`); rank 0's persistent buffers; counters, scheduler,
+values), the master where it differs from those (`master/`), and the optimizer
+state (`optim/`, `optim_whole/`), each in the dtype DeepSpeed saved it in (fp32, or bf16 from a
+run with bf16_master_weights_and_grads / bf16_optimizer_states; a load converts to the
+engine's setting); rank 0's persistent buffers; counters, scheduler,
 param-group hyper-parameters, fp16 loss scaler and client_state. DeepSpeed saves no RNG
 state: the rank file records none, and loading leaves the RNG as it is.
 
@@ -64,10 +66,10 @@ def _tensor_plan(source: DeepSpeedCheckpoint) -> list[tuple[TensorSpec, str, str
         numel, dtype = entry["numel"], getattr(torch, entry["dtype"])
         plan.append((TensorSpec(f"param/{name}", dtype, (numel,)), f"param/{name}", "range"))
         if entry["master"]:
-            plan.append((TensorSpec(f"master/{name}", torch.float32, (numel,)), f"master/{name}", "range"))
+            plan.append((TensorSpec(f"master/{name}", source.master_dtype, (numel,)), f"master/{name}", "range"))
         for key, kind in entry["optim"].items():
             if kind == "elementwise":
-                plan.append((TensorSpec(f"optim/{name}/{key}", torch.float32, (numel,)),
+                plan.append((TensorSpec(f"optim/{name}/{key}", source.state_dtype, (numel,)),
                              f"optim/{name}/{key}", "range"))
             else:
                 value = source.read_whole(f"optim_whole/{name}/{key}")
@@ -102,6 +104,7 @@ def _manifest(source: DeepSpeedCheckpoint, tag: str, files: dict[str, Any]) -> d
         "partition": "flat, ceil(numel / world_size) elements per rank, in rank order",
         "global_steps": common["global_steps"], "micro_steps": common["micro_steps"],
         "compute_dtype": str(source.compute_dtype).removeprefix("torch."), "created_unix": time.time(),
+        "master_dtype": source.layout["master_dtype"], "optimizer_state_dtype": source.layout["optimizer_state_dtype"],
         "exclude_frozen_parameters": source.layout["exclude_frozen_parameters"],
         "files": dict(sorted(files.items())),
         "params": {name: _layout_entry(entry) for name, entry in source.layout["params"].items()},

@@ -11,7 +11,8 @@ What DeepSpeed writes for ZeRO stage 3 (`save_dir/latest` names the tag):
       dp_world_size, mp_world_size, ds_config, ds_version, and the client_state's keys.
   <tag>/[bf16_]zero_pp_rank_{r}_mp_rank_00_optim_states.pt
       optimizer_state_dict: zero_stage, loss_scaler, partition_count,
-      fp32_flat_groups (rank r's fp32 master of each sub-group, flat), and the torch
+      fp32_flat_groups (rank r's master of each sub-group, flat: fp32, or bf16 despite the
+      name with bf16_master_weights_and_grads), and the torch
       optimizer's state_dict whose entry i is sub-group i (exp_avg, ... flat; step: a
       tensor from torch's optimizers, a Python int from DeepSpeed's own, read as a tensor).
 
@@ -413,6 +414,7 @@ class DeepSpeedCheckpoint:
         self.slots.update({s.name: s for s in self.frozen or []})
         self.compute_dtype = _compute_dtype(models[0], optim_names)
         self._sub_group_state = [self._states_by_sub_group(rank) for rank in range(self.world_size)]
+        self.master_dtype, self.state_dtype = self._saved_dtypes()
         self.layout = self._layout()
         self.common = self._common()
 
@@ -464,6 +466,18 @@ class DeepSpeedCheckpoint:
         fragment = (self._models[0].get("frozen_param_fragments") or {}).get(name)
         return fragment.dtype if isinstance(fragment, torch.Tensor) else self.compute_dtype
 
+    def _saved_dtypes(self) -> tuple[torch.dtype, torch.dtype]:
+        """(the masters' dtype, the elementwise optimizer state's): fp32, or bf16 when DeepSpeed
+        ran with bf16_master_weights_and_grads / bf16_optimizer_states (its `fp32_flat_groups`
+        then hold bf16 tensors under their usual name)."""
+        flats = self._states[0].get("fp32_flat_groups") or []
+        master = flats[0].dtype if flats else torch.float32
+        for entry in self._sub_group_state[0]:
+            for key, value in entry.items():
+                if self.state_kinds.get(key) == "elementwise" and isinstance(value, torch.Tensor):
+                    return master, value.dtype
+        return master, master
+
     def _layout(self) -> dict[str, Any]:
         """The manifest-shaped description checkpoint/save_load.py checks the model against."""
         params = {}
@@ -471,7 +485,7 @@ class DeepSpeedCheckpoint:
             dtype = self._dtype_of(name)
             params[name] = {
                 "shape": list(slot.shape), "dtype": str(dtype).removeprefix("torch."), "numel": slot.numel,
-                "trainable": slot.trainable, "master": slot.trainable and dtype != torch.float32,
+                "trainable": slot.trainable, "master": slot.trainable and dtype != self.master_dtype,
                 "optim": dict(self.state_kinds) if slot.trainable else {},
             }
         model0 = self._models[0]
@@ -479,6 +493,8 @@ class DeepSpeedCheckpoint:
                           "dtype": str(model0["module"][name].dtype).removeprefix("torch.")}
                    for name in model0.get("buffer_names") or [] if name in model0.get("module", {})}
         return {"format": "deepspeed", "world_size": self.world_size, "params": params, "buffers": buffers,
+                "master_dtype": str(self.master_dtype).removeprefix("torch."),
+                "optimizer_state_dtype": str(self.state_dtype).removeprefix("torch."),
                 "exclude_frozen_parameters": self.frozen is None,
                 "aliases": dict(model0.get("shared_params") or {})}
 
