@@ -86,12 +86,14 @@ class UnitSize:
 @dataclass(frozen=True)
 class UnitPlacement:
     """`accumulator`: where the unit's gradient is summed over a window's micro-steps (its
-    optimizer side's tier, or DEVICE for a host-side unit granted an accumulator)."""
+    optimizer side's tier, or DEVICE for a host-side unit granted an accumulator).
+    `trainable`: the unit has an optimizer side (a frozen unit's `state` is its shard's tier)."""
 
     name: str
     params: Tier
     state: Tier
     accumulator: Tier | None = None
+    trainable: bool = True
 
     def __post_init__(self) -> None:
         if self.accumulator is None:
@@ -153,10 +155,10 @@ class Plan:
         return self.by_name[unit].state
 
     def counts(self) -> dict[str, int]:
-        """How many units have each piece on the device."""
-        return {"units": len(self.units),
+        """How many units have each piece on the device (optimizer sides: of the trainable units)."""
+        return {"units": len(self.units), "trainable": sum(u.trainable for u in self.units),
                 "params_on_device": sum(u.params is Tier.DEVICE for u in self.units),
-                "state_on_device": sum(u.state is Tier.DEVICE for u in self.units),
+                "state_on_device": sum(u.state is Tier.DEVICE and u.trainable for u in self.units),
                 "accumulators_on_device": sum(u.accumulates_on_device for u in self.units),
                 "state_on_nvme": sum(u.state is Tier.NVME for u in self.units)}
 
@@ -167,10 +169,11 @@ class Plan:
         accumulators = (f", gradient accumulators of {c['accumulators_on_device']} host-side units"
                         if c["accumulators_on_device"] else "")
         return (f"placement: {budget}; parameter shards of {c['params_on_device']}/{c['units']} units and "
-                f"optimizer state of {c['state_on_device']}/{c['units']} units{accumulators} on the device; predicted "
+                f"optimizer state of {c['state_on_device']}/{c['trainable']} trainable units{accumulators} on the "
+                f"device; predicted "
                 f"device {self.device_bytes / GIB:.2f} GiB (fixed {self.fixed_bytes / GIB:.2f} GiB), "
                 f"host {self.host_bytes / GIB:.2f} GiB"
-                + (f"; optimizer state of {c['state_on_nvme']}/{c['units']} units on NVMe, "
+                + (f"; optimizer state of {c['state_on_nvme']}/{c['trainable']} trainable units on NVMe, "
                    f"{self.nvme_bytes / GIB:.2f} GiB in swap files" if c["state_on_nvme"] else ""))
 
 
@@ -240,7 +243,8 @@ def _counted(inputs: PlanInputs, params: dict[str, Tier], state: dict[str, Tier]
     """The plan of these tiers, with its device and host bytes."""
     units = inputs.units
     placed = tuple(UnitPlacement(u.name, params[u.name], state[u.name],
-                                 Tier.DEVICE if u.name in accumulators else state[u.name]) for u in units)
+                                 Tier.DEVICE if u.name in accumulators else state[u.name], not u.frozen)
+                   for u in units)
     held = sum(u.grad_bytes for u, p in zip(units, placed) if p.accumulates_on_device)
     device = inputs.resident_bytes + inputs.working_bytes + _bytes_on(units, params, state, Tier.DEVICE) + held
     host, nvme = _host_and_nvme_bytes(units, params, state)
