@@ -245,11 +245,15 @@ class PlacementConfig:
     accumulation window. Both matter only where something is offloaded. ``host_budget``:
     with ``offload_optimizer.device: "nvme"``, host bytes the offloaded optimizer sides may
     hold before the rest goes to swap files (None: none, all of it on NVMe, as DeepSpeed).
+    ``early_update_bytes``: with the overlapped host step, the bound on the copies of masters
+    and optimizer state kept so that host updates may start in the window's last backward
+    (optim/early_update.py); None: 2 GiB, 0: no early updates.
     """
 
     gpu_budget: int | None = None
     activation_reserve: int | None = None
     host_budget: int | None = None
+    early_update_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -815,6 +819,11 @@ _PLACEMENT_RULES: dict[str, _Rule] = {
                         'zero3 only, with offload_optimizer.device "nvme": host bytes the offloaded optimizer '
                         'sides may hold ("auto", the default: none, all of them on NVMe as DeepSpeed; or bytes, '
                         '"100GiB"); the units past it have their masters and optimizer state in swap files'),
+    "early_update_bytes": _Map("early_update_bytes", bytes_or_auto,
+                               "zero3 only, with the overlapped host step: host sub-groups whose gradients are "
+                               "complete are updated during the window's last backward, each copied first so "
+                               "that clipping or a changed hyper-parameter can undo it; the bound on those "
+                               'copies ("auto", the default: 2GiB; 0: no updates before step())'),
 }
 
 

@@ -122,8 +122,7 @@ class Engine(EngineSurface, nn.Module):
         self.fetcher = build.build_fetcher(config, self.module, self.table, self.units, self.comm, self.device,
                                            self._end_backward, self.reducer, self.late_params.adopt, background)
         self.optimizer = build.build_sharded_optimizer(config, client_optimizer, self.table, self.comm,
-                                                       self.placement, self.fetcher, self.reducer.usage,
-                                                       background)
+                                                       self.placement, self.fetcher, self.reducer, background)
         self.lr_scheduler = build.resolve_scheduler(config, lr_scheduler, self.optimizer)
         self.placement_watch = placement_parts.MeasuredPlacement(placement_parts.PlacementOwners(
             config, self.table, self.units, self.placement, self.optimizer, self.reducer.sink, client_optimizer),

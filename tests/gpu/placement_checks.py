@@ -14,7 +14,9 @@ offloaded:
 - `ratio`: DeepSpeed's offload_optimizer.ratio 0.5, no budget;
 - `resumed`: `budget_part` saved after two steps, loaded under the all-host budget;
 - `accumulators`: every optimizer side on the host (ratio 1), gradients summed on the device
-  over the window (a budget given) against summed on the host (none): bit for bit.
+  over the window (a budget given) against summed on the host (none): bit for bit;
+- `early_updates_clip_*`: host updates started in the window's last backward against none,
+  with and without clipping: bit for bit.
 Each prints its largest parameter difference from the all-device run (the CPU's and the
 GPU's fused AdamW round differently; a bf16 parameter differs by at most a few of its ulps)
 and the device's peak allocated bytes against the plan. PASS / FAIL lines, CHECKS at the end.
@@ -198,6 +200,19 @@ def main() -> None:
           f"{summed_on_device.placement.plan.describe()}; largest difference from host accumulation "
           f"{largest_difference(on_host, got):.2e}")
     summed_on_device.destroy()
+
+    # Host updates started in the window's last backward (optim/early_update.py) against none:
+    # bit for bit, with clipping (whose coefficient may undo them) and without.
+    for clip in (0.0, 0.3):
+        runs = {}
+        for name, placement in (("early", {"gpu_budget": part}), ("none", {"gpu_budget": part, "early_update_bytes": 0})):
+            engine = build(placement, clip=clip)
+            train(engine, 0, STEPS)
+            runs[name] = (full_params(engine), engine.optimizer.early.committed, engine.optimizer.early.put_back)
+            engine.destroy()
+        check(f"early_updates_clip_{clip}", largest_difference(runs["early"][0], runs["none"][0]) == 0.0,
+              f"early updates that stood {runs['early'][1]}, put back {runs['early'][2]}; largest difference from "
+              f"none {largest_difference(runs['early'][0], runs['none'][0]):.2e}")
 
     resumed = build({"gpu_budget": fixed})
     resumed.load_checkpoint(folder[0], tag="half")

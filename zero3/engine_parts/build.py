@@ -24,7 +24,6 @@ from zero3.config import Zero3Config
 from zero3.engine_parts.deepspeed_adopt import adopt_deepspeed_partitions
 from zero3.engine_parts.errors import EngineError, EngineUsageError  # noqa: F401 - the engine's errors, named here too
 from zero3.grads.reduce import GradReducer
-from zero3.grads.usage import GradUsage
 from zero3.optim.host_step import BackgroundStep
 from zero3.engine_parts.autocast import param_reduce_dtypes
 from zero3.optim.masters import ShardedOptimizer
@@ -245,28 +244,39 @@ def host_step_overlap(config: Zero3Config, optimizer: torch.optim.Optimizer | No
 
 def build_sharded_optimizer(config: Zero3Config, client: torch.optim.Optimizer | None,
                             table: dict[nn.Parameter, ShardedParam], comm: Communicator,
-                            placement: Placement, fetcher: Fetcher, usage: GradUsage,
+                            placement: Placement, fetcher: Fetcher, reducer: GradReducer,
                             background: BackgroundStep | None) -> ShardedOptimizer | None:
-    """The client optimizer over master shards (None without one); `usage` tells it
-    which parameters got no gradient in a window (grads/usage.py). With offload_optimizer
+    """The client optimizer over master shards (None without one); the reducer's usage tells
+    it which parameters got no gradient in a window (grads/usage.py), its sink tells it of the
+    gradients of the window's last backward (optim/early_update.py). With offload_optimizer
     "nvme" it holds the NVMe tier (optim/nvme_state.py; a collective: every rank checks its
     swap folder)."""
     if client is None:
         return None
     zero = config.zero
     swap = OptimizerSwap(zero.offload_optimizer, config.aio) if zero.offload_optimizer.nvme else None
-    return ShardedOptimizer(
+    optimizer = ShardedOptimizer(
         client, table, comm, placement, config.gradient_clipping,
         check_overflow=config.precision.check_grad_overflow,
         pin_memory=zero.offload_optimizer.enabled and zero.offload_optimizer.pin_memory,
         sub_group_numel=zero.sub_group_size,
         unit_order=fetcher.params_in_forward_order if background is not None else None,
-        usage=usage,
+        usage=reducer.usage,
         background=background,
         leaf_modules={unit.module: unit.params for unit in fetcher.units if unit.leaf},
         swap=swap,
         precision=MasterPrecision.of(config.precision),
+        early_update_bytes=early_update_bytes(config),
     )
+    reducer.sink.on_window_delivery = optimizer.early.delivered if optimizer.early.enabled else None
+    return optimizer
+
+
+def early_update_bytes(config: Zero3Config) -> int:
+    """placement.early_update_bytes: "auto" (None) is 2 GiB of copies a window, 0 turns the
+    host updates in the last backward off (optim/early_update.py)."""
+    chosen = config.placement.early_update_bytes
+    return 2 << 30 if chosen is None else chosen
 
 
 def resolve_scheduler(config: Zero3Config, lr_scheduler: Any, optimizer: ShardedOptimizer | None) -> Any:
@@ -327,7 +337,7 @@ def build_reducer(config: Zero3Config, table: dict[nn.Parameter, ShardedParam], 
         prescale=config.prescale_gradients,
         predivide_factor=config.gradient_predivide_factor,
         overlap=config.zero.overlap_comm,
-        fence=background.wait if background is not None else None,
+        fence=background.wait_step if background is not None else None,
         grad_dtype=MasterPrecision.of(config.precision).grad_dtype,
         param_reduce_dtypes=per_param,
     )

@@ -86,6 +86,9 @@ class GradSink:
         # Whether the backward under way ends the accumulation window (engine: before each
         # forward). True unless told otherwise: gradients then go where their optimizer side is.
         self.window_ends = True
+        # Told of each parameter whose slice of the window's last backward was delivered, with
+        # a call that waits for it to land (optim/early_update.py starts host updates from it).
+        self.on_window_delivery: Callable[[ShardedParam, Callable[[], None]], None] | None = None
 
     # ----------------------------------------------------------------- entry
     def deliver(self, sp: ShardedParam, piece: torch.Tensor) -> None:
@@ -117,6 +120,24 @@ class GradSink:
                 self._write_local([pair])
         elif local:
             self._write_local(local)
+        if self.window_ends and self.on_window_delivery is not None:
+            landed = self.landed_marker()
+            for sp, _ in pairs:
+                self.on_window_delivery(sp, landed)
+
+    def landed_marker(self) -> Callable[[], None]:
+        """A call (for any thread) that returns once every slice delivered so far is in its
+        gradient shard: the copies queued on the copy stream and the adds queued on the worker."""
+        copied = self._copies_done
+        adds = [future for future, _ in self._staged]
+
+        def landed() -> None:
+            if copied is not None:
+                copied.synchronize()
+            for future in adds:
+                future.result()
+
+        return landed
 
     def _write_local(self, pairs: list[tuple[ShardedParam, torch.Tensor]]) -> None:
         """Slices on their gradient shard's device, each parameter once, in one call per

@@ -15,6 +15,12 @@ Who may touch what while a step is in flight (`busy`):
   `params` are published (the fetch path, before it copies shards), `wait()` until the
   whole step is (checkpoints, the next backward or step, exports, anything else).
 
+Early tasks (`submit_early`, optim/early_update.py) run on the same worker, in the order
+submitted, before a later `start()`'s sub-groups: updates of masters and optimizer state
+started in the window's last backward, which write no parameter shard. `wait_step()` waits
+for the last `start()`'s step only (the gradient sink's fence: early tasks read gradient
+shards that are final and are not overwritten in that backward); `wait()` for both.
+
 Invariants:
 - sub-groups run in the order given and each is published (its event set) only after its
   shards hold the new values, so a published sub-group is final for this step;
@@ -46,6 +52,7 @@ class BackgroundStep:
         self._events: list[threading.Event] = []
         self._group_of: dict[int, int] = {}  # id(sp) -> index of its sub-group in this step
         self._error: BaseException | None = None
+        self._early: list[Future] = []
 
     @property
     def busy(self) -> bool:
@@ -56,9 +63,26 @@ class BackgroundStep:
         self.wait()
         self._events = [threading.Event() for _ in groups]
         self._group_of = {id(sp): i for i, group in enumerate(groups) for sp in group}
+        self._future = self._worker().submit(self._run_all, run, self._events)
+
+    def submit_early(self, task: Callable[[], None]) -> Future:
+        """Run `task` on the worker after what is queued; returns at once. Its failure is
+        re-raised by the next `wait()`."""
+        future = self._worker().submit(self._run_early, task)
+        self._early.append(future)
+        return future
+
+    def _worker(self) -> ThreadPoolExecutor:
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zero3-host-step")
-        self._future = self._executor.submit(self._run_all, run, self._events)
+        return self._executor
+
+    def _run_early(self, task: Callable[[], None]) -> None:
+        try:
+            task()
+        except BaseException as exc:  # re-raised on the caller's thread by the next wait
+            self._error = exc
+            raise
 
     def _run_all(self, run: Callable[[int], None], events: list[threading.Event]) -> None:
         try:
@@ -82,7 +106,17 @@ class BackgroundStep:
         self._raise_if_failed()
 
     def wait(self) -> None:
-        """Block until the step in flight (if any) is complete."""
+        """Block until the step in flight (if any) and every early task are complete."""
+        early, self._early = self._early, []
+        for future in early:
+            try:
+                future.result()
+            except BaseException:
+                pass  # kept in self._error, raised below
+        self.wait_step()
+
+    def wait_step(self) -> None:
+        """Block until the last `start()`'s step (if any) is complete."""
         if self._future is not None:
             future, self._future = self._future, None
             try:

@@ -42,6 +42,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zero3.grads.usage import GradUsage
+from zero3.optim.early_update import EarlyHostUpdates, hyper_parameters, unclipped
 from zero3.optim.host_step import BackgroundStep
 from zero3.optim.nvme_state import OptimizerSwap, attached
 from zero3.optim.precision import MasterPrecision
@@ -95,6 +96,7 @@ class ShardedOptimizer:
         leaf_modules: dict[nn.Module, list[ShardedParam]] | None = None,
         swap: OptimizerSwap | None = None,
         precision: MasterPrecision | None = None,
+        early_update_bytes: int = 0,
     ) -> None:
         """`sub_group_numel`: elements per optimizer call (0: all at once). `unit_order`:
         given only when the update is to run behind the next forward (see the module doc), on
@@ -102,7 +104,9 @@ class ShardedOptimizer:
         `usage`: which leaf parameters got a real gradient in the window (grads/usage.py);
         None when every gradient shard stands for a real gradient. `leaf_modules`: see leaf_parameters_of.
         `swap`: the NVMe tier's masters and state (optim/nvme_state.py), None without one.
-        `precision`: the masters' and state's dtypes (optim/precision.py; None: fp32)."""
+        `precision`: the masters' and state's dtypes (optim/precision.py; None: fp32).
+        `early_update_bytes`: bound of the host updates started in the window's last backward
+        (optim/early_update.py; 0: none)."""
         self.optimizer = optimizer
         self.precision = precision or MasterPrecision()
         self.comm = comm
@@ -124,6 +128,7 @@ class ShardedOptimizer:
             index for index, group in enumerate(self.optimizer.param_groups) for _ in group["params"]]
         self.leaf_parameters = leaf_parameters_of(self.params, leaf_modules or {})
         self.swap = attached(swap, self)
+        self.early = EarlyHostUpdates(self, early_update_bytes)
 
     # ------------------------------------------------------------------ setup
     def _remap_param_groups(self, table: dict[torch.nn.Parameter, ShardedParam]) -> None:
@@ -249,6 +254,7 @@ class ShardedOptimizer:
         untouched state means. With an overlapped host step the update may still be
         running when this returns.
         """
+        self.early.stop()
         self.background.wait()
         for sp, master in zip(self.params, self.masters):
             # None: no rank produced a gradient for it in this window. torch optimizers skip
@@ -272,11 +278,13 @@ class ShardedOptimizer:
                 grad_scale = self._clip_divisor(squared)
             else:
                 self._clip(squared)
+        stands = self.early.resolve(lambda: grad_divisor == 1.0 and unclipped(self.gradient_clipping, squared),
+                                    {id(sp) for sp in unused})
         groups = separate_first_momentum(self.optimizer, self.masters, self.sub_groups())
         if self.unit_order is not None:
             on_device = [g for g in groups if self._tier_of(g) is Tier.DEVICE]
             self._step_now(on_device, grad_scale, squared if skip_in_kernel else None, keep_others=True)
-            self._start_background([g for g in groups if self._tier_of(g) is not Tier.DEVICE], grad_scale)
+            self._start_background([g for g in groups if self._tier_of(g) is not Tier.DEVICE], grad_scale, stands)
             self._drop_shard_grads()  # the host masters' .grad go with their sub-group, on the worker
             return not (skip_in_kernel and not math.isfinite(self.last_grad_norm))
         self._step_now(groups, grad_scale, squared if skip_in_kernel else None, keep_others=False)
@@ -392,20 +400,15 @@ class ShardedOptimizer:
                 if i not in stepped:
                     master.grad = grads[i]
 
-    def _start_background(self, groups: list[list[int]], grad_scale: torch.Tensor | None) -> None:
+    def _start_background(self, groups: list[list[int]], grad_scale: torch.Tensor | None,
+                          stands: set[tuple[int, ...]] = frozenset()) -> None:
         """Hand the update to the worker, one shadow optimizer per sub-group, with the
-        client's hyper-parameters as they are now."""
-        shadows = [self._shadow(tuple(group)) for group in groups]
+        client's hyper-parameters as they are now; the sub-groups in `stands` were updated
+        in the backward (optim/early_update.py) and only write their shards back."""
         if grad_scale is not None and grad_scale.device.type != "cpu":
             grad_scale = grad_scale.cpu()  # here, not by the kernel's asynchronous copy on the worker
-        for shadow in shadows:
-            shadow.state = self.optimizer.state  # rebound each step: load_state_dict replaces it
-            shadow.grad_scale = grad_scale
-            for shadow_group in shadow.param_groups:
-                client_group = self.optimizer.param_groups[shadow_group["client_group"]]
-                # Tensors copied too: schedulers may update a tensor lr in place.
-                shadow_group.update({k: v.clone() if isinstance(v, torch.Tensor) else v
-                                     for k, v in client_group.items() if k != "params"})
+        hyper = hyper_parameters(self.optimizer)
+        shadows = [self.shadow_with(tuple(group), hyper, grad_scale) for group in groups]
 
         # The worker's copies into device shards must come after every read of those shards
         # already queued on the compute stream (the backward's gathers).
@@ -413,8 +416,9 @@ class ShardedOptimizer:
 
         def run(index: int) -> None:
             with self.swap.stepping(index, groups):
-                with self.precision.stepping([self.masters[i] for i in groups[index]]):
-                    shadows[index].step()
+                if tuple(groups[index]) not in stands:
+                    with self.precision.stepping([self.masters[i] for i in groups[index]]):
+                        shadows[index].step()
                 self._write_back_shards(groups[index], after=queued)
             for i in groups[index]:
                 self.masters[i].grad = None
@@ -422,6 +426,17 @@ class ShardedOptimizer:
         self.background.start([[self.params[i] for i in group] for group in groups], run)
         # lr schedulers warn when the optimizer they wrap was never stepped.
         self.optimizer._opt_called = True  # type: ignore[attr-defined]
+
+    def shadow_with(self, group: tuple[int, ...], hyper: list[dict], grad_scale: torch.Tensor | None = None
+                    ) -> torch.optim.Optimizer:
+        """The shadow optimizer of `group`, on the client's state, with `hyper` (the client's
+        groups' hyper-parameters, optim/early_update.py: hyper_parameters) and `grad_scale`."""
+        shadow = self._shadow(group)
+        shadow.state = self.optimizer.state  # rebound each step: load_state_dict replaces it
+        shadow.grad_scale = grad_scale
+        for shadow_group in shadow.param_groups:
+            shadow_group.update(hyper[shadow_group["client_group"]])
+        return shadow
 
     def _shadow(self, group: tuple[int, ...]) -> torch.optim.Optimizer:
         """A torch optimizer of the client's class over the masters of `group` (cached)."""
@@ -457,7 +472,9 @@ class ShardedOptimizer:
 
     def wait(self) -> None:
         """Until the update in flight (if any) is complete: call before reading or writing
-        masters, optimizer state or parameter shards outside the fetch path."""
+        masters, optimizer state or parameter shards outside the fetch path. Host updates
+        started in a backward whose step() has not come are put back first."""
+        self.early.abandon()
         self.background.wait()
 
     def settled_masters(self) -> dict[int, torch.Tensor]:
@@ -479,6 +496,7 @@ class ShardedOptimizer:
             self.usage.reset()
 
     def zero_grad(self) -> None:
+        self.early.abandon()
         self._drop_shard_grads()
         for master in self.masters:
             master.grad = None
