@@ -165,11 +165,13 @@ class EarlyHostUpdates:
             with window.lock:
                 window.stopped = True
 
-    def resolve(self, unscaled: Callable[[], bool], unused: set[int]) -> set[tuple[int, ...]]:
+    def resolve(self, unscaled: Callable[[], bool], unused: set[int],
+                groups: set[tuple[int, ...]]) -> set[tuple[int, ...]]:
         """At `step()`, the worker idle: the sub-groups (as tuples of indices) whose early
         update stands; the others' are put back. `unscaled()`: the gradients are used as
         they are (no clipping below 1, no loss-scale divisor); `unused`: ids of parameters
-        the step leaves without a gradient."""
+        the step leaves without a gradient; `groups`: the sub-groups the step makes (an
+        early sub-group that is not one of them, the unit order having changed, is put back)."""
         window, self._window = self._window, None
         if window is None or not window.started:
             return set()
@@ -177,7 +179,8 @@ class EarlyHostUpdates:
         stands = set()
         for g in sorted(window.started):
             group = window.groups[g]
-            if same and g not in window.late and not any(id(self.optimizer.params[i]) in unused for i in group):
+            if (same and g not in window.late and tuple(group) in groups
+                    and not any(id(self.optimizer.params[i]) in unused for i in group)):
                 stands.add(tuple(group))
                 self.committed += 1
             else:

@@ -99,6 +99,7 @@ class BackgroundStep:
     def wait_for(self, params: Iterable[ShardedParam]) -> None:
         """Block until every sub-group holding one of `params` is published."""
         if self._future is None:
+            self._raise_if_failed()  # an early task's failure, with no step in flight
             return
         last = max((self._group_of.get(id(sp), -1) for sp in params), default=-1)
         if last >= 0:

@@ -278,9 +278,9 @@ class ShardedOptimizer:
                 grad_scale = self._clip_divisor(squared)
             else:
                 self._clip(squared)
-        stands = self.early.resolve(lambda: grad_divisor == 1.0 and unclipped(self.gradient_clipping, squared),
-                                    {id(sp) for sp in unused})
         groups = separate_first_momentum(self.optimizer, self.masters, self.sub_groups())
+        stands = self.early.resolve(lambda: grad_divisor == 1.0 and unclipped(self.gradient_clipping, squared),
+                                    {id(sp) for sp in unused}, {tuple(g) for g in groups})
         if self.unit_order is not None:
             on_device = [g for g in groups if self._tier_of(g) is Tier.DEVICE]
             self._step_now(on_device, grad_scale, squared if skip_in_kernel else None, keep_others=True)
