@@ -1,8 +1,10 @@
 """Host updates started in the window's last backward (optim/early_update.py): with them on,
 training is bit-identical to the overlapped host step without them, whether the early
 updates stand (no clipping) or are put back (clipping below 1, a learning rate changed
-between the last backward and step(), zero_grad() instead of step()); a bound of 0 bytes
-turns them off. One launch of 2 ranks runs every variant."""
+between the last backward and step(), zero_grad() instead of step(), a step skipped for an
+overflow); a bound of 0 bytes turns them off. A bf16 model, so that the fp32 masters are not the parameter shards (a
+sub-group whose master is its shard is never updated early). One launch of 2 ranks runs every
+variant."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ def build(early_bytes: int | None, clipping: float):
     zero = {"stage": 3, "stage3_param_persistence_threshold": 30, "offload_param": {"device": "cpu"},
             "offload_optimizer": {"device": "cpu", "overlap_step": True}}
     config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GA,
-              "gradient_clipping": clipping, "zero_optimization": zero}
+              "gradient_clipping": clipping, "zero_optimization": zero, "bf16": {"enabled": True}}
     if early_bytes is not None:  # None: the default bound
         config["placement"] = {"early_update_bytes": early_bytes}
     model = make_model()
@@ -35,7 +37,7 @@ def train(engine, rank: int, world: int, before_step=None) -> list[float]:
     for step in range(STEPS):
         for index in range(GA):
             x, y = batches[(step * GA + index) * world + rank]
-            loss = engine(x, y)
+            loss = engine(x.bfloat16(), y.bfloat16())
             engine.backward(loss)
             if index == GA - 1:
                 # The early updates submitted in that backward run to their end first, so that
@@ -65,7 +67,12 @@ def variant(rank: int, world: int, early: int | None, clipping: float, hook) -> 
     final = optimizer_tensors(engine)
     updates = engine.optimizer.early
     return {"losses": losses, "final": final, "committed": updates.committed, "put_back": updates.put_back,
-            "enabled": updates.enabled}
+            "enabled": updates.enabled, "skipped": engine.skipped_steps}
+
+
+def overflow(engine, step: int) -> None:
+    if step == 1:  # an inf in a gradient: bf16 checks for overflow and skips this step
+        next(sp for sp in engine.optimizer.params if sp.grad_shard is not None).grad_shard[0] = float("inf")
 
 
 VARIANTS = {  # name: (early_update_bytes, clipping, hook)
@@ -73,6 +80,7 @@ VARIANTS = {  # name: (early_update_bytes, clipping, hook)
     "clipped_off": (0, 1e-3, None), "clipped_on": (None, 1e-3, None),
     "lr_off": (0, 0.0, halve_lr), "lr_on": (None, 0.0, halve_lr),
     "zero_grad_off": (0, 0.0, drop_window), "zero_grad_on": (None, 0.0, drop_window),
+    "overflow_off": (0, 0.0, overflow), "overflow_on": (None, 0.0, overflow),
 }
 
 
@@ -101,3 +109,6 @@ def test_early_host_updates_are_bit_exact_whether_they_stand_or_are_put_back():
         assert same(r["lr_on"], r["lr_off"]) and not same(r["lr_off"], r["off"])
         # zero_grad() instead of the step: the window's early updates are put back.
         assert r["zero_grad_on"]["put_back"] > 0 and same(r["zero_grad_on"], r["zero_grad_off"])
+        # A step skipped for an overflow: its early updates are put back.
+        assert r["overflow_on"]["put_back"] > 0 and same(r["overflow_on"], r["overflow_off"])
+        assert r["overflow_off"]["skipped"] == 1 and not same(r["overflow_off"], r["off"])

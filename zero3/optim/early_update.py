@@ -7,20 +7,23 @@ last backward, the gradient sink tells of each parameter whose slice was deliver
 gradient, the sub-group's masters and optimizer state are updated on the host-step worker at
 once, while the backward goes on: *speculatively*, with the gradients unclipped and the
 hyper-parameters as they were when the window's last backward began. Parameter shards are not
-written (the backward may still read them): their write-back comes with `step()`.
+written (the backward may still read them): their write-back comes with `step()`, and a
+sub-group whose master is its shard (fp32 compute, bf16 masters on a bf16 model) waits for it.
 
 Exact: before a sub-group is updated early, its masters and optimizer state are copied (up to
 `limit_bytes` of copies a window; sub-groups past it wait for `step()`). At `step()`
-(`resolve`) an early update stands only where it is the update `step()` would make: the
-clipping coefficient is 1 (the fused kernels then divide by exactly 1, the other path
+(`resolve`) an early update stands only where it is the update `step()` would make (a step
+skipped for a gradient overflow drops the gradients through `zero_grad`, which puts every early
+update back): the clipping coefficient is 1 (the fused kernels then divide by exactly 1, the other path
 multiplies by exactly 1), the hyper-parameters are unchanged, no parameter of the sub-group
 is found unused in the window (grads/usage.py) and no further slice of a gradient came after
 the sub-group was updated. Otherwise its copies are put back and it is updated with the rest,
 as without early updates. Leaving the window any other way (zero_grad, a checkpoint, another
 backward: `abandon`) puts every early update back.
 
-Only Adam-like optimizers: torch's SGD splits its calls by momentum-buffer age at `step()`
-(optim/masters.py), so its sub-groups would not match.
+Only Adam-like optimizers (torch's SGD splits its calls by momentum-buffer age at `step()`,
+optim/masters.py, so its sub-groups would not match), and not under fp16, whose gradients are
+always divided by the loss scale at `step()`.
 
 Memory ownership: the copies are this object's, from a sub-group's early update to `resolve`
 or `abandon`. Threads: `delivered` runs on the thread running the backward, the updates on the
@@ -52,7 +55,6 @@ class EarlyOwner(Protocol):
     placement: Placement
     background: BackgroundStep
     unit_order: Any
-    check_overflow: bool
     precision: Any
 
     def sub_groups(self) -> list[list[int]]: ...
@@ -92,7 +94,8 @@ class EarlyHostUpdates:
     @property
     def enabled(self) -> bool:
         opt = self.optimizer
-        return (self.limit_bytes > 0 and opt.unit_order is not None and not opt.check_overflow
+        fp16 = any(sp.shard.dtype == torch.float16 for sp in opt.params)  # loss-scaled: never unscaled
+        return (self.limit_bytes > 0 and opt.unit_order is not None and not fp16
                 and not isinstance(opt.optimizer, torch.optim.SGD) and not opt.precision.upcasts)
 
     # ------------------------------------------------------- the last backward
@@ -116,7 +119,10 @@ class EarlyHostUpdates:
         if not self.enabled:
             return None
         opt = self.optimizer
-        groups = [g for g in opt.sub_groups() if opt.placement.state_tier(opt.params[g[0]]) is Tier.HOST]
+        # Host tier only, and no master that is its parameter shard (fp32 compute, or bf16 masters
+        # on a bf16 model): the backward may still read a shard, so an early update writes none.
+        groups = [g for g in opt.sub_groups() if opt.placement.state_tier(opt.params[g[0]]) is Tier.HOST
+                  and all(opt.masters[i] is not opt.params[i].shard for i in g)]
         if not groups:
             return None
         window = _Window(groups, hyper_parameters(opt.optimizer), _comparable(opt.optimizer))
