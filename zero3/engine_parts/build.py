@@ -268,7 +268,7 @@ def build_sharded_optimizer(config: Zero3Config, client: torch.optim.Optimizer |
         precision=MasterPrecision.of(config.precision),
         early_update_bytes=early_update_bytes(config),
     )
-    reducer.sink.on_window_delivery = optimizer.early.delivered if optimizer.early.enabled else None
+    reducer.sink.on_delivery = optimizer.early.delivered if optimizer.early.enabled else None
     return optimizer
 
 

@@ -86,9 +86,10 @@ class GradSink:
         # Whether the backward under way ends the accumulation window (engine: before each
         # forward). True unless told otherwise: gradients then go where their optimizer side is.
         self.window_ends = True
-        # Told of each parameter whose slice of the window's last backward was delivered, with
-        # a call that waits for it to land (optim/early_update.py starts host updates from it).
-        self.on_window_delivery: Callable[[ShardedParam, Callable[[], None]], None] | None = None
+        # Told of each parameter whose slice was delivered, with a call that waits for it to land
+        # and whether the window ends with this backward (optim/early_update.py starts host
+        # updates from it in the last backward, and learns of gradients that come after).
+        self.on_delivery: Callable[[ShardedParam, Callable[[], None], bool], None] | None = None
 
     # ----------------------------------------------------------------- entry
     def deliver(self, sp: ShardedParam, piece: torch.Tensor) -> None:
@@ -120,10 +121,10 @@ class GradSink:
                 self._write_local([pair])
         elif local:
             self._write_local(local)
-        if self.window_ends and self.on_window_delivery is not None:
+        if self.on_delivery is not None:
             landed = self.landed_marker()
             for sp, _ in pairs:
-                self.on_window_delivery(sp, landed)
+                self.on_delivery(sp, landed, self.window_ends)
 
     def landed_marker(self) -> Callable[[], None]:
         """A call (for any thread) that returns once every slice delivered so far is in its

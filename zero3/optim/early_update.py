@@ -3,7 +3,7 @@
 With the overlapped host step (optim/host_step.py) the CPU update of the host-tier sub-groups
 runs behind the next forward, but none of it begins before `step()`. Here, in the window's
 last backward, the gradient sink tells of each parameter whose slice was delivered
-(grads/sink.py, `on_window_delivery`); once every parameter of a host-tier sub-group has its
+(grads/sink.py, `on_delivery`); once every parameter of a host-tier sub-group has its
 gradient, the sub-group's masters and optimizer state are updated on the host-step worker at
 once, while the backward goes on: *speculatively*, with the gradients unclipped and the
 hyper-parameters as they were when the window's last backward began. Parameter shards are not
@@ -99,10 +99,14 @@ class EarlyHostUpdates:
                 and not isinstance(opt.optimizer, torch.optim.SGD) and not opt.precision.upcasts)
 
     # ------------------------------------------------------- the last backward
-    def delivered(self, sp: ShardedParam, landed: Callable[[], None]) -> None:
-        """`sp`'s slice of the window's last backward was delivered; `landed` waits for it to
-        be in its gradient shard. Starts the update of `sp`'s sub-group once it is complete."""
-        window = self._window if self._window is not None else self._open()
+    def delivered(self, sp: ShardedParam, landed: Callable[[], None], window_ends: bool) -> None:
+        """A slice of `sp`'s gradient was delivered; `landed` waits for it to be in its gradient
+        shard; `window_ends`: in the window's last backward. There, starts the update of `sp`'s
+        sub-group once all of it has its gradient; anywhere, marks a sub-group already
+        submitted as late (its update read an incomplete gradient)."""
+        window = self._window
+        if window is None and window_ends:
+            window = self._open()
         if window is None:
             return
         g = window.group_of.get(id(sp))
@@ -110,6 +114,8 @@ class EarlyHostUpdates:
             return
         if g in window.submitted:
             window.late.add(g)
+            return
+        if not window_ends:
             return
         window.waiting[g].discard(id(sp))
         if not window.waiting[g]:
@@ -123,8 +129,6 @@ class EarlyHostUpdates:
         # on a bf16 model): the backward may still read a shard, so an early update writes none.
         groups = [g for g in opt.sub_groups() if opt.placement.state_tier(opt.params[g[0]]) is Tier.HOST
                   and all(opt.masters[i] is not opt.params[i].shard for i in g)]
-        if not groups:
-            return None
         window = _Window(groups, hyper_parameters(opt.optimizer), _comparable(opt.optimizer))
         for g, group in enumerate(groups):
             window.waiting.append({id(opt.params[i]) for i in group})
