@@ -22,9 +22,9 @@ puts its optimizer side, one of two ways:
   down. The first slice of a window goes straight into its shard (cast to fp32 on the
   GPU); a later one (gradient accumulation) goes down in its own dtype, half the bytes of
   fp32 for a 16-bit model, into a pinned staging tensor that a worker thread adds into the
-  shard once its copy is done: the add casts each element to fp32 exactly, so the sum is
-  the one an fp32 slice would give, bit for bit, and the thread that launches the backward
-  never waits for it. Bounded: when more than `staging_bytes` are staged, the caller waits
+  shard once its copy is done: the add computes in the shard's dtype as the device path's
+  add does (a 16-bit slice into an fp32 shard is cast exactly), so the sum is the device
+  path's, bit for bit, and the thread that launches the backward never waits for it. Bounded: when more than `staging_bytes` are staged, the caller waits
   for the oldest add.
 
 - host, with an accumulator on the device (the placement grants one under a budget with
@@ -252,7 +252,7 @@ class GradSink:
 
         def add() -> None:
             copied.synchronize()
-            shard[: staging.numel()].add_(staging)  # fp32 += 16-bit: each element cast exactly
+            shard[: staging.numel()].add_(staging)  # in the shard's dtype, as a slice added on the device
 
         nbytes = staging.numel() * staging.element_size()
         self._staged.append((self._adder.submit(add), nbytes))
