@@ -105,6 +105,7 @@ class Case:
     describe: Callable[[], str]
     times: dict[str, float]
     lora_norm: Callable[[], float]
+    prediction: Callable[[], dict] = dict  # zero3's budget and predicted peak, GiB
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -246,7 +247,15 @@ def zero3_case(args: argparse.Namespace, base_params: int) -> Case:
         plan = getattr(getattr(engine, "placement", None), "plan", None)
         return plan.describe() if plan is not None else "placement: none"
 
-    return Case(engine_step(engine), describe, times, lambda: lora_b_norm(engine.module, zero3.GatheredParameters))
+    def prediction() -> dict:
+        plan = getattr(getattr(engine, "placement", None), "plan", None)
+        if plan is None:
+            return {}
+        return {"predicted_peak_gib": plan.predicted_peak / GIB,
+                "budget_gib": None if plan.budget is None else plan.budget / GIB}
+
+    return Case(engine_step(engine), describe, times, lambda: lora_b_norm(engine.module, zero3.GatheredParameters),
+                prediction)
 
 
 def show_placement_log() -> None:
@@ -393,7 +402,8 @@ def run_case(args: argparse.Namespace, base_params: int, lora_params: int) -> di
            "init_s": init_s, **case.times, "lora_b_norm": guarded_norm(case),
            "warmup_ms": [round(t * 1e3) for t in times[:args.warmup]],
            "measured_ms": [round(t * 1e3) for t in times[args.warmup:]],
-           "host_rss_gib": now, "host_rss_peak_gib": peak_rss, "plan": case.describe(), "losses": losses}
+           "host_rss_gib": now, "host_rss_peak_gib": peak_rss, "plan": case.describe(), "losses": losses,
+           **case.prediction()}
     if args.device == "cuda":
         g = gpu_gib()
         row.update(peak_gib=g["peak_allocated"], peak_reserved_gib=g["peak_reserved"],
@@ -421,25 +431,36 @@ def print_row(row: dict) -> None:
            f"{peak}host RSS {row['host_rss_gib']:.1f} GiB (peak {row['host_rss_peak_gib']:.1f}), "
            f"init {row['init_s']:.1f} s, LoRA B norm {row['lora_b_norm']:.3g}, warm-up steps {row['warmup_ms']} ms, "
            f"measured {row['measured_ms']} ms\n"
-           f"  {row['plan']}\n  losses {[round(x, 4) for x in row['losses']]}")
+           f"  {row['plan']}\n  losses {[round(x, 4) for x in row['losses']]}"
+           + (f"\n  predicted peak {row['predicted_peak_gib']:.2f} GiB (measured/predicted "
+              f"{row['peak_gib'] / row['predicted_peak_gib']:.3f}), budget {row['budget_gib']}"
+              if row.get("predicted_peak_gib") and "peak_gib" in row else ""))
 
 
 def print_table(rows: list[dict]) -> None:
     """Each case's step against zero3_uncapped's on the same device (target: at most 1.3x)."""
     base = {r["device"]: r for r in rows if r["case"] == "zero3_uncapped" and "error" not in r}
     report("\n| case | device | cap GiB | ms/step | tokens/s | TFLOPS | peak GiB (reserved) | host RSS GiB (peak) "
-           "| init s | step vs zero3_uncapped |")
-    report("|---|---|---|---|---|---|---|---|---|---|")
+           "| init s | step vs zero3_uncapped | predicted peak GiB (peak / predicted), budget GiB |")
+    report("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
-            report(f"| {r['case']} | {r['device']} | failed: {r['error'][:160]} | | | | | | | |")
+            report(f"| {r['case']} | {r['device']} | failed: {r['error'][:160]} | | | | | | | | |")
             continue
         ref = base.get(r["device"])
         ratio = f"{r['step_ms'] / ref['step_ms']:.2f}x" if ref else "-"
         peak = f"{r['peak_gib']:.2f} ({r['peak_reserved_gib']:.2f})" if "peak_gib" in r else "n/a"
         report(f"| {r['case']} | {r['device']} | {r['cap_gib'] or '-'} | {r['step_ms']:.0f} | {r['tokens_s']:.0f} | "
                f"{r['tflops']:.1f} | {peak} | {r['host_rss_gib']:.1f} ({r['host_rss_peak_gib']:.1f}) | "
-               f"{r['init_s']:.0f} | {ratio} |")
+               f"{r['init_s']:.0f} | {ratio} | {predicted_against_peak(r)} |")
+
+
+def predicted_against_peak(row: dict) -> str:
+    """zero3's predicted device peak against the measured one, and its budget; "-" otherwise."""
+    if not row.get("predicted_peak_gib") or "peak_gib" not in row:
+        return "-"
+    budget = "none" if row.get("budget_gib") is None else f"{row['budget_gib']:.2f}"
+    return f"{row['predicted_peak_gib']:.2f} ({row['peak_gib'] / row['predicted_peak_gib']:.3f}), budget {budget}"
 
 
 def read_rows(paths: list[str]) -> list[dict]:

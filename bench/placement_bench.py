@@ -121,8 +121,12 @@ def zero3_case(args, kind: str, micro: int):
         return loss
 
     def describe():
+        """The plan, with its budget and predicted peak (GiB) where zero3 made one."""
         plan = getattr(getattr(engine, "placement", None), "plan", None)
-        return plan.describe() if plan is not None else "placement: none (all offloaded as configured)"
+        if plan is None:
+            return {"plan": "placement: none (all offloaded as configured)"}
+        return {"plan": plan.describe(), "predicted_peak_gib": plan.predicted_peak / (1 << 30),
+                "budget_gib": None if plan.budget is None else plan.budget / (1 << 30)}
 
     print(f"  after initialize: {_memory()[0]:.2f} GiB allocated", flush=True)
 
@@ -169,7 +173,7 @@ def deepspeed_case(args, kind: str, micro: int):
             engine.step()
         return loss
 
-    return step, lambda: f"DeepSpeed {deepspeed.__version__}, offload_optimizer {offload_optimizer}", lambda: None
+    return step, lambda: {"plan": f"DeepSpeed {deepspeed.__version__}, offload_optimizer {offload_optimizer}"}, lambda: None
 
 
 def plain_case(args, kind: str, micro: int):
@@ -188,7 +192,7 @@ def plain_case(args, kind: str, micro: int):
         opt.zero_grad(set_to_none=True)
         return loss
 
-    return step, lambda: "placement: plain PyTorch, everything on the GPU", lambda: None
+    return step, lambda: {"plan": "placement: plain PyTorch, everything on the GPU"}, lambda: None
 
 
 def run_case(args, kind: str, micro: int, params: int) -> dict:
@@ -216,23 +220,33 @@ def run_case(args, kind: str, micro: int, params: int) -> dict:
               "peak_gib": torch.cuda.max_memory_allocated() / (1 << 30),
               "host_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20),
               "init_s": init_s, "first_steps_ms": [round(t * 1e3) for t in times[:args.warmup]],
-              "plan": describe(), "losses": losses}
+              "losses": losses, **describe()}
     close()
     gc.collect()
     torch.cuda.empty_cache()
     return result
 
 
+def predicted_against_peak(row: dict) -> str:
+    """zero3's predicted device peak (its plan's bytes and the measured or stated reserve)
+    against the measured peak, and its budget; "-" for the peers."""
+    if row.get("predicted_peak_gib") is None:
+        return "-"
+    budget = "none" if row.get("budget_gib") is None else f"{row['budget_gib']:.2f}"
+    return f"{row['predicted_peak_gib']:.2f} ({row['peak_gib'] / row['predicted_peak_gib']:.3f}), budget {budget}"
+
+
 def print_table(rows: list[dict]) -> None:
     """Each case against the resident run at its micro-batch (or the largest resident one)."""
     base = {r["micro"]: r for r in rows if r["kind"] == "resident"}
-    print("\n| case | micro | GA | ms/step | tokens/s | TFLOPS | peak GiB | tokens/s vs resident (its micro, else the largest) |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n| case | micro | GA | ms/step | tokens/s | TFLOPS | peak GiB | tokens/s vs resident (its micro, else the largest) "
+          "| predicted peak GiB (peak / predicted), budget GiB |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         ref = base.get(r["micro"]) or (base[max(base)] if base else None)
         ratio = f"{r['tokens_s'] / ref['tokens_s']:.3f} (resident micro {ref['micro']})" if ref else "-"
         print(f"| {r['kind']} | {r['micro']} | {r.get('ga', 1)} | {r['step_ms']:.1f} | {r['tokens_s']:.0f} | {r['tflops']:.1f} | "
-              f"{r['peak_gib']:.2f} | {ratio} |")
+              f"{r['peak_gib']:.2f} | {ratio} | {predicted_against_peak(r)} |")
 
 
 def main() -> None:

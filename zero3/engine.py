@@ -112,7 +112,8 @@ class Engine(EngineSurface, nn.Module):
         client_optimizer = build.resolve_optimizer(config, optimizer, model_parameters, self.module)
         self.placement, budget_choice = placement_parts.agreed_placement(
             config, self.table, self.units, client_optimizer, self.device, self.comm)
-        placement_parts.settle_parameters(self.table, self.placement, self.comm, config.zero.offload_param)
+        placement_parts.settle_parameters(self.table, self.placement, self.comm, config.zero.offload_param,
+                                         provisional=budget_choice.measure_first)
         mark_managed(self.table)  # DeepSpeed's read-only ds_status / ds_shape / ds_numel
         self.param_names = {sp.param: sp.name for sp in self.table.values()}
         declare_config_leaves(self.module, config.zero.leaf_module)

@@ -58,6 +58,11 @@ def tiers(engine) -> dict[str, tuple[str, str]]:
             for sp in engine.table.values()}
 
 
+def accumulating(engine) -> list[str]:
+    """The parameters whose window gradient the placement sums on the device."""
+    return sorted(sp.name for sp in engine.table.values() if engine.placement.accumulates_on_device(sp))
+
+
 def device_tier_bytes(engine) -> int:
     """Bytes of the engine's tensors the placement puts on the device tier, counted from the
     tensors themselves (shards, separate masters, optimizer state, resident parameters)."""
@@ -102,7 +107,7 @@ def placement_run(rank: int, world: int, folder: str):
     all_host = tiers(moved)
     moved_losses = train(moved, rank, world, 0, 2)
     moved.set_gpu_budget(part)
-    moved_tiers = tiers(moved)
+    moved_tiers, moved_accumulators = tiers(moved), accumulating(moved)
     moved_losses += train(moved, rank, world, 2, STEPS)
 
     resumed = build(fixed, seed=3)  # another budget: the checkpoint records no placement
@@ -127,6 +132,8 @@ def placement_run(rank: int, world: int, folder: str):
         "partial_equal": _equal(expected, final_state(partial)), "moved_equal": _equal(expected, final_state(moved)),
         "resumed_equal": _equal(expected, final_state(resumed)),
         "partial_tiers": tiers(partial), "all_host": all_host, "moved_tiers": moved_tiers,
+        "partial_accumulators": accumulating(partial), "moved_accumulators": moved_accumulators,
+        "planned_accumulators": plan.counts()["accumulators_on_device"],
         "group_tiers": group_tiers, "budget": part, "planned_device": plan.device_bytes,
         # the tensors on the device tier, counted, with the working set the plan charges
         "counted": device_tier_bytes(partial) + plan.fixed_bytes - _resident_bytes(partial),
@@ -156,6 +163,9 @@ def test_placement_under_a_budget_trains_moves_and_resumes_exactly(tmp_path, wor
         assert all(len(t) == 1 for t in r["group_tiers"]) and {"device"} in r["group_tiers"]
         assert set(r["all_host"].values()) == {("host", "host")}
         assert r["moved_tiers"] == r["partial_tiers"]  # the same plan, reached by moving
+        # with its gradient accumulators on the device (GA 2): placed at initialize and by a move alike
+        assert r["planned_accumulators"] > 0 and r["partial_accumulators"], r["planned_accumulators"]
+        assert r["moved_accumulators"] == r["partial_accumulators"], (r["moved_accumulators"], r["partial_accumulators"])
         # The budget holds the engine's own tensors.
         assert r["counted"] <= r["planned_device"] <= r["budget"], (r["counted"], r["planned_device"], r["budget"])
         assert "budget" in r["too_small"] and "gathered" in r["too_small"] and "GiB" in r["too_small"]

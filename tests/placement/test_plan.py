@@ -179,3 +179,17 @@ def test_widening_keeps_accumulators_and_replaces_them_by_sides():
     wider = widened(first, make_plan(inputs), inputs)
     assert accumulators(wider) == [] and all(u.state is Tier.DEVICE for u in wider.units)
     assert wider.device_bytes == RESIDENT + WORKING + 1090
+
+
+def test_predicted_peak_adds_the_reserve_and_state_bytes_leave_out_the_working_set():
+    from zero3.placement.budget import GIB, margin, provisional_budget
+
+    budget = RESIDENT + WORKING + 210 + 400
+    stated = make_plan(PlanInputs(UNITS, True, True, None, budget, RESIDENT, WORKING, "test", reserve=1000))
+    assert stated.predicted_peak == stated.device_bytes + 1000 and "peak" in stated.describe()
+    assert stated.state_bytes_on_device == stated.device_bytes - WORKING == RESIDENT + 210 + 400
+    explicit = plan_under(budget)  # no known reserve: the engine's own bytes alone
+    assert explicit.predicted_peak == explicit.device_bytes and "reserve" not in explicit.describe()
+    # The provisional first-window budget of a measured "auto": half the card less the margin.
+    assert provisional_budget(80 * GIB) == 40 * GIB - margin(80 * GIB) == 36 * GIB
+    assert provisional_budget(1 * GIB) == 0

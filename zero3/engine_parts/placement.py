@@ -16,7 +16,7 @@ Ownership: the tensors stay their owners'; this module only tells them where to 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -124,6 +124,7 @@ def plan_inputs(config: Zero3Config, table: dict, units: list[FetchUnit], optimi
         state_nvme=zero.offload_optimizer.nvme,
         host_budget=config.placement.host_budget,
         nvme_units=nvme,
+        reserve=choice.reserve,
     )
 
 
@@ -131,7 +132,14 @@ def plan_placement(config: Zero3Config, table: dict, units: list[FetchUnit], opt
                    device: torch.device) -> tuple[Placement, BudgetChoice]:
     """The placement at initialize (the config's alone when the budget is measured later)."""
     choice = choose_budget(config, device)
-    plan = make_plan(plan_inputs(config, table, units, optimizer, choice))
+    try:
+        plan = make_plan(plan_inputs(config, table, units, optimizer, choice))
+    except PlacementError:
+        if not choice.measure_first:
+            raise
+        choice = replace(choice, budget=None, source="auto: the config's placement until the first window is "
+                         "measured (half the card cannot hold the working set)")
+        plan = make_plan(plan_inputs(config, table, units, optimizer, choice))
     return placement_of(plan, units, device), choice
 
 
@@ -165,15 +173,16 @@ def placement_of(plan: Plan, units: list[FetchUnit], device: torch.device) -> Pl
 
 
 def settle_parameters(table: dict[torch.nn.Parameter, ShardedParam], placement: Placement, comm: Communicator,
-                      offload: OffloadConfig) -> None:
+                      offload: OffloadConfig, provisional: bool = False) -> None:
     """Each shard onto its tier; then, at world size 1 without collectives, a parameter whose
     shard and optimizer side are both on the compute device is aliased to its shard
-    (resident for good, stepped in place); other non-persistent parameters are released and
+    (resident for good, stepped in place) unless the placement is `provisional` (a measured
+    budget may send it back to the host); other non-persistent parameters are released and
     persistent ones that arrived partitioned are gathered. Collective (those gathers)."""
     device = placement.compute_device
     for sp in table.values():
         sp.move_shard(placement.param_device(sp), offload.enabled and offload.pin_memory)
-        alias = (not comm.active and sp.shard.device == sp.param.device
+        alias = (not comm.active and not provisional and sp.shard.device == sp.param.device
                  and placement.state_tier(sp) is Tier.DEVICE and placement.params_tier(sp) is Tier.DEVICE)
         if alias and sp.state is ParamState.SHARDED:
             sp.begin_gather()
@@ -215,15 +224,16 @@ def move_to_plan(owners: PlacementOwners, plan: Plan) -> int:
     placement, moved = owners.placement, 0
     pin = owners.config.zero.offload_param.pin_memory
     for unit in owners.units:
-        params, state = plan.params_tier(unit.name), plan.state_tier(unit.name)
+        placed = plan.by_name[unit.name]
         for sp in unit.params:
-            if (placement.params_tier(sp), placement.state_tier(sp)) == (params, state):
+            if (placement.params_tier(sp), placement.state_tier(sp)) == (placed.params, placed.state):
+                placement.assign(sp, placed.params, placed.state, placed.accumulator)  # its accumulator may move
                 continue
             if owners.optimizer is not None and sp.requires_grad:
-                owners.optimizer.move_side(sp, placement.device_of(state))
+                owners.optimizer.move_side(sp, placement.device_of(placed.state))
             if not sp.aliased:
-                sp.move_shard(placement.device_of(params), pin)
-            placement.assign(sp, params, state)
+                sp.move_shard(placement.device_of(placed.params), pin)
+            placement.assign(sp, placed.params, placed.state, placed.accumulator)
             if owners.optimizer is not None and sp.requires_grad:
                 reshare(sp, owners.optimizer.master_of(sp), owners.optimizer.precision)
             moved += 1
@@ -278,31 +288,33 @@ class MeasuredPlacement:
         self.rounds_left -= 1
         device = self.owners.placement.compute_device
         before = self.owners.placement.plan
-        state_on_device = before.device_bytes if before is not None else 0
-        budget, source = measured_budget(device, torch.cuda.max_memory_allocated(device), state_on_device)
+        state_on_device = before.state_bytes_on_device if before is not None else 0
+        choice = measured_budget(device, torch.cuda.max_memory_allocated(device), state_on_device)
         if self.rounds_left == self.ROUNDS - 1:
-            self.place_under(budget, source, charges_working_set=False)  # the peak held the working set
-        elif before is not None and before.budget is not None and budget > before.budget:
-            self._widen(before, budget, source + " (second window)")
+            self._place(choice)  # the provisional plan replaced: pieces move either way
+        elif before is not None and before.budget is not None and choice.budget > before.budget:
+            self._widen(before, replace(choice, source=choice.source + " (second window)"))
         torch.cuda.reset_peak_memory_stats(device)
 
-    def _widen(self, current: Plan, budget: int, source: str) -> None:
-        """More on the device under the larger `budget`, nothing back to the host; kept as
-        it is when the union would not fit."""
+    def _widen(self, current: Plan, choice: BudgetChoice) -> None:
+        """More on the device under the larger budget of `choice`, nothing back to the
+        host; kept as it is when the union would not fit."""
         owners = self.owners
-        inputs = plan_inputs(owners.config, owners.table, owners.units, owners.client_optimizer,
-                             BudgetChoice(budget, False, False, source), owners.placement)
+        inputs = plan_inputs(owners.config, owners.table, owners.units, owners.client_optimizer, choice,
+                             owners.placement)
         plan = widened(current, make_plan(inputs), inputs)
-        if plan.device_bytes <= budget and plan.counts() != current.counts():
+        if plan.device_bytes <= choice.budget and plan.counts() != current.counts():
             moved = move_to_plan(owners, plan)
             if self.rank == 0:
                 logger.info("zero3: %s (%d parameters moved)", plan.describe(), moved)
 
-    def place_under(self, budget: int, source: str, charges_working_set: bool = True) -> Plan:
-        """A plan under `budget`, and the pieces moved to it. Raises PlacementError, moving
-        nothing, when it cannot hold what must be on the device."""
+    def place_under(self, budget: int, source: str) -> Plan:
+        """A plan under `budget` (the working set charged), and the pieces moved to it.
+        Raises PlacementError, moving nothing, when it cannot hold what must be on the device."""
+        return self._place(BudgetChoice(budget, False, True, source))
+
+    def _place(self, choice: BudgetChoice) -> Plan:
         owners = self.owners
-        choice = BudgetChoice(budget, False, charges_working_set, source)
         plan = make_plan(plan_inputs(owners.config, owners.table, owners.units, owners.client_optimizer, choice,
                                      owners.placement))
         moved = move_to_plan(owners, plan)

@@ -5,13 +5,20 @@ Where the budget comes from (`placement.gpu_budget`, `placement.activation_reser
   memory, but the plan still says which pieces step where);
 - "auto" with a stated reserve, on a GPU: the device's capacity at initialize less the
   reserve and a margin, the working set then charged by the planner;
-- "auto" with "auto" reserve, on a GPU: measured. The first accumulation window runs with
-  the config's placement (what it offloads is on the host) while the allocator's peak is
-  recorded; at its boundary the budget is the capacity less (peak - the state the device
-  held then) - the margin, which leaves the window's activations and working set free,
-  and the plan is made (engine_parts/placement.py moves what now fits). The second window,
-  under that plan, is measured the same way, and where it leaves more room more pieces move
-  to the device, none back;
+- "auto" with "auto" reserve, on a GPU: measured. The first accumulation window runs under
+  a *provisional* budget, half the capacity less the margin with the working set charged
+  (what does not fit it is on the host), while the allocator's peak is recorded; at its
+  boundary the budget is the capacity less (peak - the state the device held then) - the
+  margin, which leaves the window's activations and working set free, and the plan is
+  made (engine_parts/placement.py moves what now fits, and back to the host what the
+  provisional plan put on the device beyond it). The second window, under that plan, is
+  measured the same way, and where it leaves more room more pieces move to the device,
+  none back. The provisional half keeps the first window from holding the whole state in
+  host memory (a 6.7B full fine-tune's state all on the host overruns 128 GiB) while
+  leaving the other half of the card to its activations; where one micro-batch needs more
+  than that, state the reserve (`placement.activation_reserve`) or the budget. A
+  provisional budget that cannot hold the working set falls back to the config's placement
+  for the first window;
 - "auto" on a CPU run, or with nothing offloaded: no budget; the config's placement.
 
 Capacity: the device's free memory plus what this process's caching allocator already
@@ -31,6 +38,7 @@ from zero3.config import Zero3Config
 GIB = 1 << 30
 MARGIN_SHARE = 0.05
 MIN_MARGIN = 1 * GIB
+PROVISIONAL_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -38,12 +46,16 @@ class BudgetChoice:
     """How the budget is decided: `budget` now (None: none yet or none at all);
     `measure_first`: decided at the end of the first accumulation window instead;
     `charges_working_set`: the planner adds the working set (False when the
-    measurement already holds it); `source`: what the budget came from, for the log."""
+    measurement already holds it); `source`: what the budget came from, for the log;
+    `reserve`: the device bytes outside the plan the budget leaves for activations (and,
+    when measured, the working set): a stated or measured reserve, 0 when unknown. With
+    `measure_first`, `budget` is the provisional budget of the first window."""
 
     budget: int | None
     measure_first: bool
     charges_working_set: bool
     source: str
+    reserve: int = 0
 
 
 def offloads_anything(config: Zero3Config) -> bool:
@@ -64,19 +76,27 @@ def choose_budget(config: Zero3Config, device: torch.device) -> BudgetChoice:
         budget = max(capacity - placement.activation_reserve - margin(capacity), 0)
         return BudgetChoice(budget, False, True,
                             f"auto: capacity {capacity / GIB:.2f} GiB less activation_reserve "
-                            f"{placement.activation_reserve / GIB:.2f} GiB and margin")
-    return BudgetChoice(None, True, False, "auto: measured over the first window")
+                            f"{placement.activation_reserve / GIB:.2f} GiB and margin", placement.activation_reserve)
+    return BudgetChoice(provisional_budget(capacity), True, True,
+                        f"auto, provisional until the first window is measured: half the capacity "
+                        f"{capacity / GIB:.2f} GiB less margin")
 
 
-def measured_budget(device: torch.device, peak_allocated: int, state_on_device: int) -> tuple[int, str]:
-    """The budget after the first window: capacity less that window's activations and
-    working set (its peak less the state that sat on the device through it) less the margin."""
+def provisional_budget(capacity: int) -> int:
+    """The first window's budget under a measured "auto" budget (module docstring)."""
+    return max(int(capacity * PROVISIONAL_SHARE) - margin(capacity), 0)
+
+
+def measured_budget(device: torch.device, peak_allocated: int, state_on_device: int) -> BudgetChoice:
+    """The budget after a measured window: capacity less that window's activations and
+    working set (its peak less the state that sat on the device through it, the `reserve`)
+    less the margin. The working set is in the reserve, so the planner does not charge it."""
     capacity = device_capacity(device)
     transient = max(peak_allocated - state_on_device, 0)
     budget = max(capacity - transient - margin(capacity), 0)
     source = (f"auto: capacity {capacity / GIB:.2f} GiB less measured activations and working set "
               f"{transient / GIB:.2f} GiB and margin")
-    return budget, source
+    return BudgetChoice(budget, False, False, source, transient)
 
 
 def margin(capacity: int) -> int:

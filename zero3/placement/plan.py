@@ -130,6 +130,7 @@ class PlanInputs:
     state_nvme: bool = False
     host_budget: int | None = None
     nvme_units: tuple[str, ...] | None = None  # a re-plan: these stay on NVMe, no other joins
+    reserve: int = 0  # device bytes the budget leaves outside the plan (activations; budget.BudgetChoice)
 
 
 @dataclass(frozen=True)
@@ -143,6 +144,8 @@ class Plan:
     fixed_bytes: int
     budget_source: str = ""
     nvme_bytes: int = 0
+    working_bytes: int = 0
+    reserve: int = 0
     by_name: dict[str, UnitPlacement] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -150,6 +153,18 @@ class Plan:
 
     def params_tier(self, unit: str) -> Tier:
         return self.by_name[unit].params
+
+    @property
+    def state_bytes_on_device(self) -> int:
+        """The device bytes that stay there between steps: `device_bytes` less the working set."""
+        return self.device_bytes - self.working_bytes
+
+    @property
+    def predicted_peak(self) -> int:
+        """The device peak the plan predicts: its bytes and the reserve the budget left
+        (activations, and the working set when the reserve was measured). With no known
+        reserve (an explicit budget) it is the engine's own bytes alone."""
+        return self.device_bytes + self.reserve
 
     def state_tier(self, unit: str) -> Tier:
         return self.by_name[unit].state
@@ -171,7 +186,9 @@ class Plan:
         return (f"placement: {budget}; parameter shards of {c['params_on_device']}/{c['units']} units and "
                 f"optimizer state of {c['state_on_device']}/{c['trainable']} trainable units{accumulators} on the "
                 f"device; predicted "
-                f"device {self.device_bytes / GIB:.2f} GiB (fixed {self.fixed_bytes / GIB:.2f} GiB), "
+                f"device {self.device_bytes / GIB:.2f} GiB (fixed {self.fixed_bytes / GIB:.2f} GiB"
+                + (f"; peak {self.predicted_peak / GIB:.2f} GiB with the {self.reserve / GIB:.2f} GiB reserve"
+                   if self.reserve else "") + "), "
                 f"host {self.host_bytes / GIB:.2f} GiB"
                 + (f"; optimizer state of {c['state_on_nvme']}/{c['trainable']} trainable units on NVMe, "
                    f"{self.nvme_bytes / GIB:.2f} GiB in swap files" if c["state_on_nvme"] else ""))
@@ -248,7 +265,8 @@ def _counted(inputs: PlanInputs, params: dict[str, Tier], state: dict[str, Tier]
     held = sum(u.grad_bytes for u, p in zip(units, placed) if p.accumulates_on_device)
     device = inputs.resident_bytes + inputs.working_bytes + _bytes_on(units, params, state, Tier.DEVICE) + held
     host, nvme = _host_and_nvme_bytes(units, params, state)
-    return Plan(placed, inputs.budget, device, host, fixed, inputs.budget_source, nvme)
+    return Plan(placed, inputs.budget, device, host, fixed, inputs.budget_source, nvme, inputs.working_bytes,
+                inputs.reserve)
 
 
 def _ratio_tiers(units: tuple[UnitSize, ...], ratio: float) -> dict[str, Tier]:
