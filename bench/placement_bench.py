@@ -11,12 +11,13 @@ not all returned while the process lives, so a case run after another sees less 
 A case is `kind:micro_batch`:
 - `resident`: zero3 with nothing offloaded (every piece on the GPU);
 - `auto`: zero3 with offload_param and offload_optimizer on the CPU and the budget left to
-  zero3 (placement "auto": the first accumulation window measured, then what fits moves to the
-  GPU once);
+  zero3 (placement "auto": the first accumulation window under a provisional budget, half the
+  card, and measured; then the plan made from that measurement, widened once after the second);
 - `budget=<GiB>`: both offloads under that budget;
 - `ds_offload`, `ds_ratio=<r>`, `ds_super`: DeepSpeed 0.19.8 with both offloads and its CPU Adam
   (the config's AdamW), with offload_optimizer.ratio r (its Twin-Flow partial offload), or
-  with super_offload;
+  with super_offload; `ds_opt_offload`: DeepSpeed's ZeRO-Offload, only the optimizer on the host
+  (its CPU Adam), the bf16 parameters on the card;
 - `plain_bf16`: plain PyTorch, a bf16 model with fused AdamW (the ceiling, half the bytes);
 - `plain_autocast`: plain PyTorch, an fp32 model under bf16 autocast with fused AdamW (zero3's
   arithmetic).
@@ -25,7 +26,8 @@ same seed, trains on the same random tokens (decoder layers as zero3 leaf units,
 AdamW), `--ga N` accumulates N micro-batches per optimizer step (a step's time covers all N),
 and reports the median step, tokens/s, model TFLOPS (6 * params * tokens), the peak
 of allocated GPU memory after the warm-up steps, the host's resident memory, zero3's placement
-line, and the first losses (so that the runs can be compared: the GPU and CPU AdamW kernels
+line with its predicted peak (the plan's bytes and the measured reserve) beside the measured
+peak, and the first losses (so that the runs can be compared: the GPU and CPU AdamW kernels
 round differently).
 """
 
@@ -164,6 +166,8 @@ def deepspeed_case(args, kind: str, micro: int):
               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
                                     "offload_param": {"device": "cpu", "pin_memory": True},
                                     "offload_optimizer": offload_optimizer}}
+    if kind == "ds_opt_offload":  # ZeRO-Offload: the optimizer on the host, the bf16 parameters on the card
+        del config["zero_optimization"]["offload_param"]
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
 
     def step(batches):
