@@ -62,6 +62,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--buffers", type=int, default=4, help="offload_optimizer.buffer_count")
     p.add_argument("--tier", choices=["host", "nvme"], default="nvme")
     p.add_argument("--host-share", type=float, default=0.5)
+    p.add_argument("--gpu-budget-gib", type=float, default=12.0,
+                   help="placement.gpu_budget on cuda: room for the parameter shards and little of the optimizer "
+                        "state, which stays off the card (an auto budget would put a 2.9B model's whole state there)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--width", type=int, default=2048)
     p.add_argument("--layers", type=int, default=24)
@@ -181,6 +184,8 @@ def train_config(args: argparse.Namespace, folder: Path, host_budget: int | None
               "placement": {}}
     if host_budget is not None:
         config["placement"]["host_budget"] = host_budget
+    if args.device == "cuda":
+        config["placement"]["gpu_budget"] = int(args.gpu_budget_gib * GIB)
     return config
 
 
@@ -188,8 +193,9 @@ def host_bytes_of_state(args: argparse.Namespace, model) -> int:
     """The optimizer sides' host bytes of the host-tier plan (what host_share is a share of)."""
     from zero3.estimate import estimate_placement
 
+    budget = int(args.gpu_budget_gib * GIB) if args.device == "cuda" else None
     plan = estimate_placement(model, 1, train_config(argparse.Namespace(**{**vars(args), "tier": "host"}),
-                                                     Path("."), None), None).plan
+                                                     Path("."), None), budget).plan
     return plan.host_bytes
 
 

@@ -193,3 +193,17 @@ def test_predicted_peak_adds_the_reserve_and_state_bytes_leave_out_the_working_s
     # The provisional first-window budget of a measured "auto": half the card less the margin.
     assert provisional_budget(80 * GIB) == 40 * GIB - margin(80 * GIB) == 36 * GIB
     assert provisional_budget(1 * GIB) == 0
+
+
+def test_host_shards_that_do_not_fit_are_spread_through_the_forward_order():
+    layers = tuple(UnitSize(f"layer{i}", param_bytes=10, state_bytes=0, gathered_bytes=20) for i in range(8))
+    plan = make_plan(PlanInputs(layers, True, True, None, RESIDENT + WORKING + 50, RESIDENT, WORKING, "test"))
+    host = [u.name for u in plan.units if u.params is Tier.HOST]
+    # five of eight fit: the three on the host are evenly spaced, not the last three in a row
+    assert host == ["layer1", "layer4", "layer6"], host
+    assert plan.device_bytes == RESIDENT + WORKING + 50
+    # a leftover that fits one more host unit takes it (in forward order among the spread ones)
+    plan = make_plan(PlanInputs(layers, True, True, None, RESIDENT + WORKING + 55, RESIDENT, WORKING, "test"))
+    assert [u.name for u in plan.units if u.params is Tier.HOST] == ["layer1", "layer4", "layer6"]
+    plan = make_plan(PlanInputs(layers, True, True, None, RESIDENT + WORKING + 75, RESIDENT, WORKING, "test"))
+    assert [u.name for u in plan.units if u.params is Tier.HOST] == ["layer4"]

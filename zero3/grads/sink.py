@@ -63,6 +63,7 @@ import torch
 
 from zero3.params.partition import ShardedParam
 from zero3.placement.devices import Placement
+from zero3.platform.pinned import pinned_zeros
 
 
 class GradSink:
@@ -274,7 +275,7 @@ class GradSink:
         if self._host_views is None:
             on_host = [p for p in self.params if self.placement.state_device(p).type == "cpu"]
             total = sum(p.shard_numel for p in on_host)
-            self._host_buffer = torch.zeros(total, dtype=self.grad_dtype, pin_memory=True)
+            self._host_buffer = pinned_zeros(total, self.grad_dtype)
             self._host_views = {}
             offset = 0
             for p in on_host:

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from zero3.config import PrecisionConfig
+from zero3.platform.pinned import pinned_empty
 
 
 @dataclass(frozen=True)
@@ -73,8 +74,10 @@ class MasterPrecision:
         new tensor in the master dtype (pinned on the host when `pin`). The caller owns it."""
         if self.shares_storage(shard, device):
             return shard
-        master = shard.to(device, self.master_dtype, copy=True)
-        return master.pin_memory() if pin and device.type == "cpu" else master
+        if pin and device.type == "cpu":
+            master = pinned_empty(shard.numel(), self.master_dtype).view(shard.shape)
+            return master.copy_(shard)
+        return shard.to(device, self.master_dtype, copy=True)
 
     def state_value(self, value: torch.Tensor) -> torch.Tensor:
         """An elementwise optimizer state tensor in this engine's state dtype (floating

@@ -17,6 +17,7 @@ import torch
 
 from zero3.optim.precision import MasterPrecision
 from zero3.params.partition import ShardedParam
+from zero3.platform.pinned import pinned_copy
 
 
 def move_master(master: torch.Tensor, state: dict[str, Any], group: dict[str, Any], device: torch.device,
@@ -27,9 +28,10 @@ def move_master(master: torch.Tensor, state: dict[str, Any], group: dict[str, An
         return
     old = master.device
     with torch.no_grad():
-        moved = master.detach().to(device, copy=True)
         if pin_memory and device.type == "cpu" and torch.cuda.is_available():
-            moved = moved.pin_memory()
+            moved = pinned_copy(master.detach())
+        else:
+            moved = master.detach().to(device, copy=True)
         master.data = moved
     step_follows = bool(group.get("fused") or group.get("capturable"))
     for key, value in list(state.items()):

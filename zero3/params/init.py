@@ -68,6 +68,7 @@ from zero3.params.status import mark_zero_parameter
 from zero3.params.wire import gather_rows
 from zero3.platform.collectives import Communicator
 from zero3.platform.device import get_accelerator
+from zero3.platform.pinned import pinned_empty
 
 
 class InitError(RuntimeError):
@@ -428,10 +429,11 @@ class Init:
 
     def _slice(self, full: torch.Tensor) -> torch.Tensor:
         """A new shard (on the shard device, pinned if asked) holding this rank's slice of `full`."""
-        shard = torch.empty(shard_numel_for(full.numel(), self.comm.world_size), dtype=full.dtype,
-                            device=self.shard_device)
-        if self.pin_memory and shard.device.type == "cpu" and torch.cuda.is_available():
-            shard = shard.pin_memory()
+        numel = shard_numel_for(full.numel(), self.comm.world_size)
+        if self.pin_memory and self.shard_device.type == "cpu" and torch.cuda.is_available():
+            shard = pinned_empty(numel, full.dtype)
+        else:
+            shard = torch.empty(numel, dtype=full.dtype, device=self.shard_device)
         self._copy_slice_into(full, shard)
         return shard
 

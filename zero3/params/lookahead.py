@@ -105,7 +105,7 @@ class LookAhead:
                 break
             unit = self.units[index]
             fresh = [sp for sp in unit.fetch_list() if sp.state is ParamState.SHARDED and id(sp) not in seen]
-            if not fresh:
+            if not fresh or not self._worth_prefetching(fresh):
                 continue
             numel = sum(sp.numel for sp in fresh)
             if chosen and ahead + numel > policy.bucket_numel:
@@ -117,6 +117,13 @@ class LookAhead:
             ahead += numel
             picked += numel
         return chosen
+
+    def _worth_prefetching(self, fresh: list[ShardedParam]) -> bool:
+        """Across ranks every gather is worth starting early. At world size 1 only a host
+        shard's copy to the device is: a unit whose shards all sit on the device is passed
+        over (gathered where it is used, a local copy), so the look-ahead reaches the next
+        host unit and its copy overlaps the compute of the device units before it."""
+        return self.comm.active or any(sp.shard.device.type == "cpu" for sp in fresh)
 
     def _issue(self, unit: FetchUnit, group: list[ShardedParam]) -> None:
         def landed() -> None:

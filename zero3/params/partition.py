@@ -33,6 +33,7 @@ import torch
 
 from zero3.params.released import name_for_errors, refuse_released, release_storage, restore_storage
 from zero3.params.shard_layout import copy_rows, owned_range, shard_numel_for
+from zero3.platform.pinned import pinned_copy
 
 
 class ParamState(enum.Enum):
@@ -85,7 +86,7 @@ class ShardedParam:
             self.state = ParamState.SHARDED
             self.shard = shard.to(shard_device)
         if pin_memory and self.shard.device.type == "cpu" and torch.cuda.is_available():
-            self.shard = self.shard.pin_memory()  # host shard copied to the GPU asynchronously
+            self.shard = pinned_copy(self.shard)  # host shard copied to the GPU asynchronously
         self.grad_shard: torch.Tensor | None = None
         # squared L2 norm of grad_shard when known on the device (grads/sink.py), else None
         self.grad_sq_norm: torch.Tensor | None = None
@@ -147,9 +148,10 @@ class ShardedParam:
             return
         if self.aliased:
             raise StateError(f"move_shard({self.name}): an aliased shard is the parameter itself")
-        shard = self.shard.to(device, copy=True)
         if pin_memory and device.type == "cpu" and torch.cuda.is_available():
-            shard = shard.pin_memory()
+            shard = pinned_copy(self.shard)
+        else:
+            shard = self.shard.to(device, copy=True)
         self.shard = shard
         self.shard_device = device
 

@@ -21,8 +21,10 @@ Rules, in this order:
    held whole, the working set of gathered units and gradient buckets) must fit it, else
    `PlacementError` names the largest unit, its size and the budget. Then, while bytes are
    left, parameter shards come to the device first, frozen units before trainable ones
-   (a frozen unit costs its shard only and is read on every micro-step), each group in
-   forward order; then, with gradient accumulation (more than one micro-step a window),
+   (a frozen unit costs its shard only and is read on every micro-step); of a group that
+   does not fit whole, the fewest shards stay on the host, spread evenly through the
+   forward order (each host unit's copy then overlaps the compute of the device units
+   before it); then, with gradient accumulation (more than one micro-step a window),
    accumulators for the units whose optimizer side is on the host, in forward order (4
    bytes a trainable element save a host add and a copy of the gradient at every
    micro-step but the last: more per byte than an optimizer side saves); then optimizer
@@ -307,13 +309,37 @@ def _check_fixed_fits(inputs: PlanInputs, fixed: int) -> None:
 
 
 def _fill_params(units: tuple[UnitSize, ...], params: dict[str, Tier], left: int) -> int:
-    """Parameter shards onto the device while they fit: frozen units first, then the
-    others, each in forward order. Returns the bytes still free."""
-    for unit in [u for u in units if u.frozen] + [u for u in units if not u.frozen]:
-        if params[unit.name] is Tier.HOST and unit.param_bytes <= left:
+    """Parameter shards onto the device: frozen units first, then the others; in each group
+    the shards left on the host are spread evenly through the forward order (`_spread_host`).
+    Returns the bytes still free."""
+    for group in ([u for u in units if u.frozen], [u for u in units if not u.frozen]):
+        candidates = [u for u in group if params[u.name] is Tier.HOST]
+        for unit in _spread_host(candidates, left):
             params[unit.name] = Tier.DEVICE
             left -= unit.param_bytes
     return left
+
+
+def _spread_host(group: list[UnitSize], left: int) -> list[UnitSize]:
+    """The units of `group` (forward order) whose shards come to the device within `left`
+    bytes: all if they fit; else the fewest host units, at evenly spaced positions, that let
+    the rest fit, then any host unit that still fits, in forward order. Spread host units
+    let each one's copy to the device overlap the compute of the device units before it;
+    a run of host units in a row would wait on the bus one after another."""
+    if sum(u.param_bytes for u in group) <= left:
+        return list(group)
+    n = len(group)
+    for h in range(1, n + 1):
+        host = {int((i + 0.5) * n / h) for i in range(h)}
+        chosen = [u for i, u in enumerate(group) if i not in host]
+        spent = sum(u.param_bytes for u in chosen)
+        if spent <= left:
+            for i in sorted(host):
+                if group[i].param_bytes <= left - spent:
+                    chosen.append(group[i])
+                    spent += group[i].param_bytes
+            return chosen
+    return []
 
 
 def _fill_accumulators(units: tuple[UnitSize, ...], state: dict[str, Tier], accumulators: set[str],
