@@ -185,7 +185,8 @@ def settle_parameters(table: dict[torch.nn.Parameter, ShardedParam], units: list
     device = placement.compute_device
     offload = config.zero.offload_param
     for sp in table.values():
-        sp.move_shard(placement.param_device(sp), offload.enabled and offload.pin_memory)
+        pin = offload.enabled and offload.pin_memory and placement.params_tier(sp) is not Tier.NVME
+        sp.move_shard(placement.param_device(sp), pin)
         alias = (not comm.active and sp.shard.device == sp.param.device
                  and placement.state_tier(sp) is Tier.DEVICE and placement.params_tier(sp) is Tier.DEVICE)
         if alias and sp.state is ParamState.SHARDED:

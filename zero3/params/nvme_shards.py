@@ -93,9 +93,10 @@ class _Buffers:
     draining: list[tuple[torch.cuda.Event, torch.Tensor]] = field(default_factory=list)
 
     def reclaim(self, pool: BufferPool, wait: bool = False) -> None:
+        """The buffers whose copies are done back to `pool` (with `wait`: the oldest waited for)."""
         keep = []
-        for event, buffer in self.draining:
-            if wait and not keep:
+        for index, (event, buffer) in enumerate(self.draining):
+            if wait and index == 0:
                 event.synchronize()
             if event.query():
                 pool.give(buffer)

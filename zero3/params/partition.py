@@ -198,8 +198,11 @@ class ShardedParam:
         """The shard moves to `device` (values kept) as a new tensor: a tensor that was the
         shard (an fp32 master sharing it) stays where it was, with the same values. Pinned on
         the host when `pin_memory` and CUDA is there. An aliased shard is the parameter's own
-        storage and never moves."""
+        storage and never moves. Already on `device` (the host), it is pinned there if asked."""
         if self.shard.device == device:
+            if (pin_memory and device.type == "cpu" and torch.cuda.is_available() and self.backing is None
+                    and not self.shard.is_pinned()):
+                self.shard = self.shard.pin_memory()
             return
         if self.backing is not None:
             raise StateError(f"move_shard({self.name}): an NVMe-tier shard stays there (fixed at initialize)")
