@@ -11,6 +11,7 @@ kernels over the same values):
 - checkpoints across tiers both ways, and a resume from an NVMe checkpoint into an engine
   whose max_in_cpu splits the shards between the host and NVMe: bit-exact to the end;
 - a missing nvme_path on one rank: SwapSetupError on every rank, naming the rank and the key;
+  a buffer_size too small for a shard: PlacementError naming it and the size needed;
 - a full disk during a parameter write (RLIMIT_FSIZE lowered in the rank: the kernel's EFBIG,
   no mock): a SwapIOError from step() naming the file and the fix; the last checkpoint still
   loads into a new engine, which goes on exactly.
@@ -110,6 +111,9 @@ def param_nvme_run(rank: int, world: int, folder: str, nvme: str, leftover: str)
     results.update(lora_run(rank, world, nvme))
     results.update(cross_loads(rank, world, folder, nvme, expected, reference))
     results["missing"] = missing_on_one_rank(rank, nvme)
+    results["small_buffer"] = setup_error({**config_for("nvme", nvme), "zero_optimization": {
+        **config_for("nvme", nvme)["zero_optimization"],
+        "offload_param": {"device": "nvme", "nvme_path": nvme, "buffer_size": 100, "max_in_cpu": 0}}})
     results.update(full_disk(rank, world, folder, nvme, expected, reference))
     return results
 
@@ -158,11 +162,16 @@ def missing_on_one_rank(rank: int, nvme: str) -> str:
     os.chdir(here)
     try:
         Path("relative").mkdir(exist_ok=True) if rank == 0 else None
-        build(config_for("nvme", "relative")).destroy()
-    except Exception as exc:  # noqa: BLE001 - the message is the result
-        return f"{type(exc).__name__}: {exc}"
+        return setup_error(config_for("nvme", "relative"))
     finally:
         os.chdir(cwd)
+
+
+def setup_error(config: dict) -> str:
+    try:
+        build(config).destroy()
+    except Exception as exc:  # noqa: BLE001 - the message is the result
+        return f"{type(exc).__name__}: {exc}"
     return "no error"
 
 
@@ -224,6 +233,9 @@ def test_param_nvme_tier_is_exact_resumes_across_tiers_survives_a_full_disk(tmp_
         assert r["split_from_nvme_tiers"] == {"host", "nvme"}, r["split_from_nvme_tiers"]
         assert "SwapSetupError" in r["missing"] and "does not exist" in r["missing"], r["missing"]
         assert "offload_param.nvme_path" in r["missing"], r["missing"]
+        small = r["small_buffer"]  # the largest shard: a block's 24 x 24 weight, 288 elements a rank
+        assert small.startswith("PlacementError: offload_param.buffer_size is 100 elements"), small
+        assert "linear.weight on this rank is 288 elements" in small and "at least 288" in small, small
         assert "File too large" in r["full_error"] and "params" in r["full_error"], r["full_error"]
         assert "offload_param.max_in_cpu" in r["full_error"] and "last checkpoint" in r["full_error"]
         assert r["full_removed"] and r["full_resumed"] == (True, []), (rank, r["full_resumed"])

@@ -8,7 +8,8 @@ initialize, on every rank):
    fsynced and removed), else `SwapSetupError` saying what was found and what to do;
 2. clears the leftovers of killed runs: every folder under `zero3_swap` whose lock can be
    taken has no live owner (a lock dies with its process) and is removed, logged, never
-   read; folders of live runs (their lock held) are left alone;
+   read; folders of live runs (their lock held) are left alone, and so is a folder another
+   rank is creating at that moment (its lock appears only once held, step 4);
 3. checks that the file system has room for `needed` bytes (the state the plan puts on
    NVMe, measured from its sizes before training starts), else `SwapSetupError` with
    both numbers;
@@ -26,6 +27,7 @@ import logging
 import os
 import shutil
 import socket
+import time
 import weakref
 from pathlib import Path
 
@@ -34,6 +36,7 @@ logger = logging.getLogger("zero3")
 GIB = 1 << 30
 ROOT = "zero3_swap"
 LOCK = "lock"
+CREATING_S = 60.0  # a folder without its lock this long is a leftover (its run died creating it)
 
 
 class SwapSetupError(RuntimeError):
@@ -80,11 +83,15 @@ def clear_leftovers(root: Path) -> list[Path]:
 
 
 def _held(lock: Path) -> bool:
-    """True when a live process holds `lock` (a folder with no lock file is a leftover)."""
+    """True when a live process holds `lock`. A folder with no lock file yet is one being
+    created (its lock appears already held: `create`), unless it is older than CREATING_S."""
     try:
         fd = os.open(lock, os.O_RDWR)
     except OSError:
-        return False
+        try:
+            return time.time() - lock.parent.stat().st_mtime < CREATING_S
+        except OSError:
+            return False
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -123,8 +130,11 @@ class SwapFolder:
         path = root / (f"{socket.gethostname()}-pid{os.getpid()}-rank{rank}" + (f"-{kind}" if kind else ""))
         shutil.rmtree(path, ignore_errors=True)  # an earlier engine of this process, not removed
         path.mkdir(parents=True)
-        fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+        # The lock is taken under another name and then renamed into place (the lock stays
+        # with the file), so that another run clearing leftovers never sees it free.
+        fd = os.open(path / f"{LOCK}.new", os.O_RDWR | os.O_CREAT, 0o600)
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.rename(path / f"{LOCK}.new", path / LOCK)
         return cls(path, fd), cleared
 
     def file(self, name: str) -> Path:

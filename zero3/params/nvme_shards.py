@@ -6,9 +6,10 @@ keep their small shards in host memory.
 
 Layout: per owning unit, in unit order, consecutive parameters are packed into *swap
 groups* whose shards fit one staging buffer (`buffer_size` elements of the widest shard
-dtype); each group has one file in this rank's swap folder (zero3/nvme/folder.py), each
-parameter a 4096-aligned region in it. A shard larger than a buffer is refused at
-initialize, naming it and the buffer_size it needs (DeepSpeed's rule too).
+dtype, rounded up to 4096 bytes); each group has one file in this rank's swap folder
+(zero3/nvme/folder.py), each parameter a 4096-aligned region in it. A shard of more than
+`buffer_size` elements is refused at initialize, naming it and the buffer_size it needs
+(DeepSpeed's rule too).
 
 A shard is PARKED (`sp.shard` a meta tensor of its shape and dtype: any read of its values
 fails; the values are in the file) or BOUND (`sp.shard` a view of its group's staging
@@ -144,25 +145,26 @@ class ParamSwap:
             raise SwapSetupError(first if first == error else f"rank {rank}: {first}")
 
     def _layout(self, params_by_unit: list[list[ShardedParam]]) -> None:
-        width = max((sp.shard.element_size() for unit in params_by_unit for sp in unit), default=1)
+        """Swap groups per unit (module docstring); refuses a shard larger than a buffer."""
+        every = [sp for unit in params_by_unit for sp in unit]
+        largest = max(every, key=lambda sp: sp.shard_numel, default=None)
+        if largest is not None and largest.shard_numel > self.offload.buffer_size:
+            raise PlacementError(
+                f"offload_param.buffer_size is {self.offload.buffer_size} elements, and the shard of {largest.name} "
+                f"on this rank is {largest.shard_numel} elements: every shard on NVMe must fit one staging "
+                f"buffer; raise offload_param.buffer_size to at least {largest.shard_numel}")
+        width = max((sp.shard.element_size() for sp in every), default=1)
         capacity = aligned_bytes(self.offload.buffer_size * width)
         for unit in params_by_unit:
             members: list[tuple[ShardedParam, int]] = []
             size = 0
             for sp in unit:
-                nbytes = sp.shard_numel * sp.shard.element_size()
-                if aligned_bytes(nbytes) > capacity:
-                    raise PlacementError(
-                        f"offload_param.buffer_size is {self.offload.buffer_size} elements, and the shard of "
-                        f"{sp.name} on this rank is {sp.shard_numel} elements ({nbytes} bytes, "
-                        f"{aligned_bytes(nbytes)} with the 4096-byte alignment of direct I/O): every shard on NVMe "
-                        f"must fit one staging buffer; raise offload_param.buffer_size to at least "
-                        f"{-(-aligned_bytes(nbytes) // width)}")
-                if members and size + aligned_bytes(nbytes) > capacity:
+                nbytes = aligned_bytes(sp.shard_numel * sp.shard.element_size())
+                if members and size + nbytes > capacity:
                     self._add_group(members, size)
                     members, size = [], 0
                 members.append((sp, size))
-                size += aligned_bytes(nbytes)
+                size += nbytes
             if members:
                 self._add_group(members, size)
 
