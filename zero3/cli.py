@@ -286,7 +286,9 @@ def estimate(args: argparse.Namespace) -> int:
     else:
         print(f"  plus the largest fetch unit gathered while it runs ({_human(result.gathered_unit)}, "
               "twice with prefetch) and activations")
-    if args.gpu_budget or args.gpu_memory or args.ratio is not None:
+    zero = _estimate_config(args)["zero_optimization"]
+    nvme = any((zero.get(key) or {}).get("device") == "nvme" for key in ("offload_param", "offload_optimizer"))
+    if args.gpu_budget or args.gpu_memory or args.ratio is not None or nvme:
         _print_placement(args, model)
     return 0
 

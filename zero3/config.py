@@ -175,9 +175,10 @@ GRADIENT_CLIPPING_DEFAULT = 1.0
 
 @dataclass(frozen=True)
 class OffloadConfig:
-    """Where a state lives between uses: ``"none"`` (the device), ``"cpu"`` or, for the
-    optimizer side, ``"nvme"`` (the host first, up to ``placement.host_budget``, then swap
-    files under ``nvme_path``: zero3/nvme/)."""
+    """Where a state lives between uses: ``"none"`` (the device), ``"cpu"`` or ``"nvme"``
+    (the host first, then swap files under ``nvme_path``: zero3/nvme/). The host's share:
+    for the optimizer side ``placement.host_budget`` bytes; for parameter shards
+    ``max_in_cpu`` elements (DeepSpeed's key), each bound applying to its own section."""
 
     device: str = "none"
     pin_memory: bool = False  # from_deepspeed fills DeepSpeed's default (True) when a section is given
@@ -191,6 +192,9 @@ class OffloadConfig:
     buffer_count: int = 4
     pipeline_read: bool = True
     pipeline_write: bool = True
+    # offload_param device "nvme" only: elements per staging buffer, elements kept on the host
+    buffer_size: int = 100_000_000
+    max_in_cpu: int = 1_000_000_000
 
     @property
     def enabled(self) -> bool:
@@ -747,13 +751,9 @@ def _overlap_comm(key: str, value: Any) -> bool:
 
 
 def _offload_device(key: str, value: Any) -> str:
-    """Converter for ``offload_*.device``: "none", "cpu" or "nvme" (the optimizer side only)."""
+    """Converter for ``offload_*.device``: "none", "cpu" or "nvme"."""
     if value is None:
         return "none"
-    if value == "nvme" and key.endswith("offload_param.device"):
-        _fail(key, value, "parameter shards on NVMe are not implemented (the optimizer state is: "
-              'offload_optimizer.device "nvme")', 'Set "device": "cpu" here; put the optimizer state on '
-              'NVMe with "offload_optimizer": {"device": "nvme", "nvme_path": ...}.')
     if value not in ("none", "cpu", "nvme"):
         _fail(key, value, "not a valid offload device", 'Use "none", "cpu" or "nvme".')
     return value
@@ -769,7 +769,7 @@ def _nvme_path(key: str, value: Any) -> str | None:
 
 
 def _buffer_count(key: str, value: Any) -> int:
-    """Converter for ``offload_optimizer.buffer_count``: at least 1 staging buffer."""
+    """Converter for ``offload_*.buffer_count``: at least 1 staging buffer."""
     return _to_int(key, value, 1)
 
 
@@ -842,14 +842,19 @@ _OFFLOAD_COMMON: dict[str, _Rule] = {
 }
 
 _OFFLOAD_PARAM_RULES: dict[str, _Rule] = {
-    "device": _Map("device", _offload_device, '"none" or "cpu": where the parameter shards live between '
-                   'uses; "nvme" is refused (parameter shards on NVMe are not implemented)'),
+    "device": _Map("device", _offload_device, '"none", "cpu" or "nvme": where the parameter shards live between '
+                   'uses; "nvme": the host up to max_in_cpu elements, the rest in swap files under nvme_path, '
+                   "read back through staging buffers ahead of each gather"),
     **_OFFLOAD_COMMON,
-    "nvme_path": _off(None, f"{_NVME} for parameter shards; the path is used only with device nvme",
-                      'Remove the key (offload_optimizer.nvme_path puts the optimizer state on NVMe).'),
-    "buffer_count": _off(5, f"{_NVME}; DeepSpeed uses buffer_count only with device nvme"),
-    "buffer_size": _off(100_000_000, f"{_NVME}; DeepSpeed uses buffer_size only with device nvme"),
-    "max_in_cpu": _off(1_000_000_000, f"{_NVME}; DeepSpeed uses max_in_cpu only with device nvme"),
+    "nvme_path": _Map("nvme_path", _nvme_path, 'device "nvme": the folder of the per-rank parameter swap files '
+                      "(must exist, be writable and hold the shards; checked at initialize)"),
+    "buffer_count": _Map("buffer_count", _buffer_count, 'device "nvme": host staging buffers the shards are read '
+                         "into ahead of their gather (DeepSpeed's default: 5)"),
+    "buffer_size": _Map("buffer_size", _int(1), 'device "nvme": elements per staging buffer; every parameter '
+                        "shard on NVMe must fit one (DeepSpeed's default: 1e8)"),
+    "max_in_cpu": _Map("max_in_cpu", _int(0), 'device "nvme": parameter elements (this rank\'s shards) kept in '
+                       "host memory, whole fetch units in forward order; the rest go to NVMe (DeepSpeed's "
+                       "default: 1e9)"),
 }
 
 _OFFLOAD_OPTIMIZER_RULES: dict[str, _Rule] = {
@@ -882,7 +887,13 @@ _OFFLOAD_OPTIMIZER_RULES: dict[str, _Rule] = {
 }
 
 
-_NVME_ONLY = ("nvme_path", "buffer_count", "pipeline_read", "pipeline_write")
+# The keys with an effect only with device "nvme", and the value that changes nothing elsewhere
+# (DeepSpeed's default, accepted with any device).
+_NVME_ONLY: dict[str, dict[str, Any]] = {
+    "offload_optimizer": {"nvme_path": None, "buffer_count": 4, "pipeline_read": False, "pipeline_write": False},
+    "offload_param": {"nvme_path": None, "buffer_count": 5, "buffer_size": 100_000_000,
+                      "max_in_cpu": 1_000_000_000},
+}
 
 
 def _offload(rules: Mapping[str, _Rule]) -> Converter:
@@ -904,9 +915,11 @@ def _check_nvme_keys(key: str, values: dict[str, Any], raw: dict) -> None:
     if values["device"] == "nvme" and not values.get("nvme_path"):
         _fail(f"{key}.nvme_path", None, 'device "nvme" needs the folder of the swap files',
               'Add "nvme_path": "/local_nvme" (a folder on a local NVMe drive).')
-    defaults = {"nvme_path": None, "buffer_count": 4, "pipeline_read": False, "pipeline_write": False}
-    if values["device"] != "nvme":
-        for name in _NVME_ONLY:
+    defaults = _NVME_ONLY[key.rsplit(".", 1)[-1]]
+    if values["device"] == "nvme":
+        values.setdefault("buffer_count", defaults["buffer_count"])  # DeepSpeed's: 5 for parameters, 4 else
+    else:
+        for name in defaults:
             if name in values and not _same(raw.get(name), defaults[name]):
                 _fail(f"{key}.{name}", raw.get(name), f"has an effect only with device \"nvme\" (device is "
                       f"{_show(values['device'])})", 'Remove the key, or set "device": "nvme".')
@@ -960,7 +973,8 @@ _ZERO_RULES: dict[str, _Rule] = {
     "overlap_comm": _Map("overlap_comm", _overlap_comm,
                          "overlap each gradient bucket's reduce-scatter with the rest of backward (null: true); "
                          "false waits for each one"),
-    "offload_param": _Map("offload_param", _offload(_OFFLOAD_PARAM_RULES), "parameter shards in CPU memory"),
+    "offload_param": _Map("offload_param", _offload(_OFFLOAD_PARAM_RULES),
+                          "parameter shards in CPU memory, or (device nvme) in swap files past max_in_cpu"),
     "offload_optimizer": _Map("offload_optimizer", _offload(_OFFLOAD_OPTIMIZER_RULES),
                               "fp32 master shards and optimizer state in CPU memory, step on CPU"),
     "sub_group_size": _Map("sub_group_size", _int(0),
@@ -1767,11 +1781,14 @@ def _load(config: "dict | str | os.PathLike") -> dict:
 def _check_nvme_settings(values: dict[str, Any]) -> None:
     """placement.host_budget decides between the host and NVMe: it needs the NVMe tier; an
     asynchronous save holds a host copy of all of a rank's state, which the tier avoids."""
-    nvme = values.get("zero", ZeroConfig()).offload_optimizer.nvme
-    if nvme and values.get("_checkpoint", {}).get("async_save"):
-        _fail("checkpoint.async_save", True, 'keeps a host copy of all of a rank\'s state, and '
-              'offload_optimizer.device "nvme" is there because the host cannot hold it', "Remove the key "
-              "(saves then stream the state from the swap files), or offload the optimizer to \"cpu\".")
+    zero = values.get("zero", ZeroConfig())
+    nvme = zero.offload_optimizer.nvme
+    on_nvme = [f"{name}.device" for name, section in (("offload_optimizer", zero.offload_optimizer),
+                                                       ("offload_param", zero.offload_param)) if section.nvme]
+    if on_nvme and values.get("_checkpoint", {}).get("async_save"):
+        _fail("checkpoint.async_save", True, f"keeps a host copy of all of a rank's state, and {on_nvme[0]} "
+              '"nvme" is there because the host cannot hold it', "Remove the key (saves then stream the state "
+              'from the swap files), or offload to "cpu".')
     budget = values.get("_placement", {}).get("host_budget")
     if budget is not None and not nvme:
         _fail("placement.host_budget", budget, 'splits the optimizer state between the host and NVMe, and '

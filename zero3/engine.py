@@ -112,8 +112,8 @@ class Engine(EngineSurface, nn.Module):
         client_optimizer = build.resolve_optimizer(config, optimizer, model_parameters, self.module)
         self.placement, budget_choice = placement_parts.agreed_placement(
             config, self.table, self.units, client_optimizer, self.device, self.comm)
-        placement_parts.settle_parameters(self.table, self.placement, self.comm, config.zero.offload_param,
-                                         provisional=budget_choice.measure_first)
+        self.param_swap = placement_parts.settle_parameters(self.table, self.units, self.placement, self.comm, config,
+                                                            provisional=budget_choice.measure_first)
         mark_managed(self.table)  # DeepSpeed's read-only ds_status / ds_shape / ds_numel
         self.param_names = {sp.param: sp.name for sp in self.table.values()}
         declare_config_leaves(self.module, config.zero.leaf_module)
@@ -492,7 +492,7 @@ class Engine(EngineSurface, nn.Module):
             finally:
                 self.optimizer.swap.close()  # the NVMe tier's swap files removed
         self.fetcher.release_all()
-        self.fetcher.gather(self.table.values())
+        placement_parts.gather_back(self.fetcher, self.table, self.param_swap)  # NVMe swap files removed
         self.fetcher.remove()
         self.compiled_units.remove()
         self.reducer.remove()

@@ -3,7 +3,8 @@
 `estimate_memory(model, world_size, config)` counts what an engine built with that
 DeepSpeed config will hold on each rank, with the engine's own rules:
 - every parameter has a flat shard of ceil(numel / world) elements in the compute dtype
-  (on the host with `offload_param`), and those chosen resident by
+  (on the host with `offload_param`; with its device "nvme" what `max_in_cpu` does not keep
+  there is in swap files: `estimate_placement` shows which units), and those chosen resident by
   `stage3_param_persistence_threshold` / `stage3_model_persistence_threshold` are also
   held whole on every rank (on the device);
 - each trainable parameter has a gradient shard and a master shard, fp32 (bf16 with
@@ -39,7 +40,7 @@ from torch import nn
 from zero3.config import Zero3Config, from_deepspeed
 from zero3.params.units import persistent_indices
 from zero3.placement.plan import Plan, PlanInputs, UnitSize, make_plan
-from zero3.placement.sizes import state_bytes_per_element, working_set_bytes
+from zero3.placement.sizes import param_staging_bytes, state_bytes_per_element, working_set_bytes
 
 CATEGORIES = ("param_shards", "resident_params", "grad_shards", "masters", "optimizer_state")
 
@@ -172,7 +173,7 @@ def _estimate(tensors: list[_Tensor], units: list[int], world: int, parsed: Zero
                                 zero.model_persistence_threshold)
     resident = [t for i, t in enumerate(tensors) if i in chosen]
     shard = {t.name: math.ceil(t.numel / world) for t in tensors}
-    host_params = zero.offload_param.device == "cpu"
+    host_params = zero.offload_param.enabled  # "cpu", or "nvme" (the host before the files)
     host_optim = zero.offload_optimizer.enabled  # "cpu", or "nvme" (the host before the files)
     states, step_bytes = _optimizer_states(parsed)
 
@@ -243,7 +244,8 @@ def estimate_placement(model: nn.Module | int, world_size: int, config: dict | s
                            sum(math.ceil(n / world_size) for n, t in params if t) * per_state,
                            sum(n for n, _ in params) * width,
                            grad_bytes=sum(math.ceil(n / world_size) for n, t in params if t) * master_width,
-                           swap_bytes=sum(math.ceil(n / world_size) for n, t in params if t) * (per_state - master_width))
+                           swap_bytes=sum(math.ceil(n / world_size) for n, t in params if t) * (per_state - master_width),
+                           param_numel=sum(math.ceil(n / world_size) for n, _ in params))
                   for name, params in units)
     working = working_set_bytes(
         [sum(n for n, _ in params) for _, params in units], sum(n for i, n in enumerate(numels) if i not in chosen),
@@ -255,7 +257,10 @@ def estimate_placement(model: nn.Module | int, world_size: int, config: dict | s
                                 zero.offload_optimizer.ratio, budget, sum(numels[i] for i in chosen) * width,
                                 working, "given" if budget is not None else "none",
                                 accumulation_steps=parsed.gradient_accumulation_steps,
-                                state_nvme=zero.offload_optimizer.nvme, host_budget=parsed.placement.host_budget))
+                                state_nvme=zero.offload_optimizer.nvme, host_budget=parsed.placement.host_budget,
+                                params_nvme=zero.offload_param.nvme, max_in_cpu=zero.offload_param.max_in_cpu,
+                                param_staging_bytes=param_staging_bytes(zero.offload_param, width,
+                                                                        [u.param_bytes for u in sizes])))
     return PlacementEstimate(plan, activation_bytes)
 
 

@@ -283,10 +283,28 @@ def test_zero_optimization_boolean_form_refused():
     assert "deprecated" in error_of({"train_batch_size": 2, "zero_optimization": True})
 
 
-def test_offload_param_nvme_refused():
-    message = error_of({"train_batch_size": 2, "zero_optimization": {"offload_param": {"device": "nvme"}}})
-    assert message.startswith("zero_optimization.offload_param.device:")
-    assert "parameter shards on NVMe are not implemented" in message
+def test_offload_param_nvme_keys():
+    p = zero(offload_param={"device": "nvme", "nvme_path": "/nvme", "buffer_count": 3, "buffer_size": 1e6,
+                            "max_in_cpu": 5e8, "pin_memory": False}).zero.offload_param
+    assert (p.nvme, p.enabled, p.nvme_path, p.buffer_count, p.buffer_size, p.max_in_cpu, p.pin_memory) == \
+        (True, True, "/nvme", 3, 1_000_000, 500_000_000, False)
+    d = zero(offload_param={"device": "nvme", "nvme_path": "/nvme"}).zero.offload_param
+    assert (d.buffer_count, d.buffer_size, d.max_in_cpu, d.pin_memory) == (5, 100_000_000, 1_000_000_000, True)
+    no_path = error_of({"train_batch_size": 2, "zero_optimization": {"offload_param": {"device": "nvme"}}})
+    assert no_path.startswith("zero_optimization.offload_param.nvme_path:") and "(got null)" in no_path
+    assert 'needs the folder of the swap files' in no_path and 'Add "nvme_path"' in no_path
+    on_cpu = error_of({"train_batch_size": 2, "zero_optimization": {"offload_param": {
+        "device": "cpu", "max_in_cpu": 10}}})
+    assert on_cpu.startswith("zero_optimization.offload_param.max_in_cpu:") and 'only with device "nvme"' in on_cpu
+    # DeepSpeed's defaults change nothing with another device, and are accepted
+    assert zero(offload_param={"device": "cpu", "buffer_count": 5, "buffer_size": 1e8,
+                               "max_in_cpu": 1e9}).zero.offload_param.nvme_path is None
+    small = error_of({"train_batch_size": 2, "zero_optimization": {"offload_param": {
+        "device": "nvme", "nvme_path": "/nvme", "buffer_size": 0}}})
+    assert small.startswith("zero_optimization.offload_param.buffer_size:") and ">= 1" in small
+    both = {"offload_param": {"device": "nvme", "nvme_path": "/nvme"}}
+    assert "offload_param.device" in error_of({"train_batch_size": 2, "zero_optimization": both,
+                                               "checkpoint": {"async_save": True}})
 
 
 def test_offload_optimizer_nvme_keys():

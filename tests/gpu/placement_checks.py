@@ -72,7 +72,8 @@ def check(name: str, ok: bool, detail: str) -> None:
         failures.append(name)
 
 
-def build(placement: dict | None, offload: bool = True, ratio: float | None = None, clip: float = 0.3):
+def build(placement: dict | None, offload: bool = True, ratio: float | None = None, clip: float = 0.3,
+          param_nvme: str | None = None):
     import zero3
 
     torch.manual_seed(0)
@@ -81,6 +82,9 @@ def build(placement: dict | None, offload: bool = True, ratio: float | None = No
     if offload:
         zero["offload_param"] = {"device": "cpu"}
         zero["offload_optimizer"] = {"device": "cpu", **({} if ratio is None else {"ratio": ratio})}
+    if param_nvme is not None:  # every shard the budget leaves off the card in swap files (max_in_cpu 0)
+        zero["offload_param"] = {"device": "nvme", "nvme_path": param_nvme, "buffer_count": 4,
+                                 "buffer_size": 1_000_000, "max_in_cpu": 0}
     config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GA, "gradient_clipping": clip,
               "bf16": {"enabled": True}, "zero_optimization": zero, "steps_per_print": None,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}}}
@@ -213,6 +217,21 @@ def main() -> None:
         check(f"early_updates_clip_{clip}", largest_difference(runs["early"][0], runs["none"][0]) == 0.0,
               f"early updates that stood {runs['early'][1]}, put back {runs['early'][2]}; largest difference from "
               f"none {largest_difference(runs['early'][0], runs['none'][0]):.2e}")
+
+    # Parameter shards in swap files (offload_param "nvme", params/nvme_shards.py) against the
+    # host tier under the same budget: the same kernels over the same values, bit for bit.
+    nvme_dir = "/tmp/zero3_param_nvme_check"
+    os.makedirs(nvme_dir, exist_ok=True)
+    runs = {}
+    for name, nvme in (("host", None), ("nvme", nvme_dir)):
+        engine = build({"gpu_budget": fixed}, param_nvme=nvme)
+        losses = train(engine, 0, STEPS)
+        runs[name] = (full_params(engine), losses, engine.placement.plan.describe())
+        engine.destroy()
+    check("param_nvme", runs["nvme"][1] == runs["host"][1] and largest_difference(runs["host"][0], runs["nvme"][0]) == 0.0
+          and "on NVMe" in runs["nvme"][2],
+          f"{runs['nvme'][2]}; losses equal {runs['nvme'][1] == runs['host'][1]}, largest difference from the host "
+          f"tier {largest_difference(runs['host'][0], runs['nvme'][0]):.2e}")
 
     resumed = build({"gpu_budget": fixed})
     resumed.load_checkpoint(folder[0], tag="half")

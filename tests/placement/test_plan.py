@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from zero3.config import ConfigError, from_deepspeed
-from zero3.placement.plan import PlacementError, PlanInputs, Tier, UnitSize, make_plan
+from zero3.placement.plan import PlacementError, PlanInputs, Tier, UnitSize, make_plan, widened
 
 # Four units in forward order: a frozen embedding, two trainable blocks, a trainable head.
 UNITS = (
@@ -207,3 +207,35 @@ def test_host_shards_that_do_not_fit_are_spread_through_the_forward_order():
     assert [u.name for u in plan.units if u.params is Tier.HOST] == ["layer1", "layer4", "layer6"]
     plan = make_plan(PlanInputs(layers, True, True, None, RESIDENT + WORKING + 75, RESIDENT, WORKING, "test"))
     assert [u.name for u in plan.units if u.params is Tier.HOST] == ["layer4"]
+
+
+def test_parameter_shards_past_max_in_cpu_go_to_nvme_and_stay_there():
+    """Rule 5: host parameter shards kept, whole units in forward order, while their elements
+    fit max_in_cpu; a unit that does not fit goes to NVMe, a later smaller one may still fit.
+    A budget places device shards first; a re-plan keeps the NVMe units where they are."""
+    units = tuple(UnitSize(u.name, u.param_bytes, u.state_bytes, u.gathered_bytes, param_numel=u.param_bytes // 2)
+                  for u in UNITS)  # embed 50 elements, block0 25, block1 25, head 5
+
+    def planned(max_in_cpu, budget=None, nvme_param_units=None):
+        return make_plan(PlanInputs(units, True, True, None, budget, RESIDENT, WORKING, "test", params_nvme=True,
+                                    max_in_cpu=max_in_cpu, param_staging_bytes=64,
+                                    nvme_param_units=nvme_param_units))
+
+    plan = planned(60)  # embed (50) fits, block0 (25) and block1 do not, the head (5) still does
+    assert {u.name: u.params.value for u in plan.units} == {
+        "embed": "host", "block0": "nvme", "block1": "nvme", "head": "host"}
+    assert plan.nvme_param_bytes == 100 and plan.host_bytes == 110 + 880 + 64  # staging buffers on the host
+    assert plan.state_tier("embed") is Tier.HOST  # a frozen unit's (absent) side is never "nvme"
+    assert "parameter shards of 2/4 units on NVMe" in plan.describe()
+    assert all(u.params is Tier.NVME for u in planned(0).units)
+    assert planned(0).state_tier("embed") is Tier.HOST
+    # with a budget, what fits the device goes there first; the host share of the rest follows
+    plan = planned(25, budget=RESIDENT + WORKING + 100)
+    assert {u.name: u.params.value for u in plan.units} == {
+        "embed": "device", "block0": "host", "block1": "nvme", "head": "nvme"}
+    # a re-plan under a larger budget moves none of the NVMe units, and no other joins them
+    replan = planned(10**9, budget=RESIDENT + WORKING + 10**6, nvme_param_units=("block1", "head"))
+    assert {u.name: u.params.value for u in replan.units} == {
+        "embed": "device", "block0": "device", "block1": "nvme", "head": "nvme"}
+    assert widened(plan, replan, PlanInputs(units, True, True, budget=10**6)).params_tier("head") is Tier.NVME
+    assert planned(0).describe().count("NVMe") == 1 and plan_under(None).describe().count("NVMe") == 0

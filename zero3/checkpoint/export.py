@@ -151,7 +151,7 @@ def whole_fp32_param(model: ShardedModel, optimizer: OptimizerAccess, param: nn.
     """full_fp32_param over the views: a new CPU tensor the caller owns. Collective."""
     sp = model.table[param]
     master = optimizer.masters().get(id(sp))
-    local = master if master is not None else sp.shard.float()
+    local = master if master is not None else sp.shard_values().float()
     return gather_full(model, sp, local).cpu()
 
 
@@ -232,7 +232,7 @@ def iter_consolidated(model: ShardedModel, optimizer: OptimizerAccess, specs: li
         if source is not last_sp:
             last_sp = last_value = None  # the previous parameter is gone before the next arrives
             master = masters.get(id(source))
-            local = master if master is not None else source.shard
+            local = master if master is not None else source.shard_values()
             full = gather_full(model, source, local)
             last_sp, last_value = source, (full.to("cpu", spec.dtype) if rank0 else None)
             del full
@@ -323,7 +323,7 @@ def held_bytes(model: ShardedModel, optimizer: OptimizerAccess, grad_sink: GradS
 
     optimizer.settle()
     table = model.table
-    shards = sum(nbytes(sp.shard) for sp in table.values())
+    shards = sum(nbytes(sp.shard) for sp in table.values() if sp.backing is None)  # NVMe: in files
     resident = sum(  # an aliased parameter's storage is its shard, counted above
         sp.param.untyped_storage().nbytes() for sp in table.values() if sp.persistent and not sp.aliased
     )

@@ -144,6 +144,7 @@ from zero3.engine_parts.views import OptimizerAccess, ShardedModel
 from zero3.placement.devices import Placement
 from zero3.optim.loss_scaler import LossScaler
 from zero3.optim.precision import MasterPrecision, converted_note
+from zero3.params.nvme_shards import drain_param_writes
 from zero3.params.late_params import LATE_KEY, late_layout, restore_late, unmanaged_parameters
 from zero3.params.partition import ParamState, ShardedParam
 from zero3.platform.collectives import Communicator
@@ -272,14 +273,18 @@ def _rank_tensors(model: ShardedModel, optimizer: OptimizerAccess, exclude_froze
     masters = optimizer.masters(paged_in=False)  # NVMe-tier ones streamed from their files below
     optimizer_state = optimizer.state(paged_in=False) if optimizer_state is None else optimizer_state
 
-    def add(name: str, tensor: torch.Tensor, first: int | None = None) -> None:
-        """`tensor` (its `first` elements, when given), read when the file is written."""
+    def add(name: str, tensor: torch.Tensor, first: int | None = None,
+            produce: Callable[[], torch.Tensor] | None = None) -> None:
+        """`tensor` (its `first` elements, when given), read when the file is written
+        (by `produce`, when given: `tensor` then gives the dtype and shape only)."""
         specs.append(TensorSpec(name, tensor.dtype, tuple(tensor.shape) if first is None else (first,)))
-        producers.append(lambda: optimizer.readable(tensor) if first is None else optimizer.readable(tensor)[:first])
+        producers.append(produce or (lambda: optimizer.readable(tensor) if first is None
+                                     else optimizer.readable(tensor)[:first]))
 
     for sp in _saved_params(model.table, exclude_frozen):
         valid = sp.local_valid_numel
-        add(f"param/{sp.name}", sp.shard[:valid])
+        # an NVMe-tier shard streams from its swap file (params/nvme_shards.py)
+        add(f"param/{sp.name}", sp.shard[:valid], produce=lambda sp=sp, valid=valid: sp.shard_values()[:valid])
         master = masters.get(id(sp))
         info: dict[str, Any] = {"master": master is not None and master is not sp.shard, "optim": {}}
         kinds[sp.name] = info
@@ -833,6 +838,18 @@ def _fill(target: torch.Tensor, values: torch.Tensor) -> None:
         target[: values.numel()].copy_(values.to(target.dtype))
 
 
+def _loaded_shard(sp: ShardedParam, values: torch.Tensor) -> torch.Tensor:
+    """`values` as `sp`'s shard (padding zero): filled into it, or written to its NVMe swap
+    file; returns a tensor holding the shard's new values."""
+    if sp.backing is None:
+        _fill(sp.shard, values)
+        return sp.shard
+    whole = torch.empty(sp.shard_numel, dtype=sp.shard.dtype)
+    _fill(whole, values)
+    sp.write_shard(whole)
+    return whole
+
+
 def _apply_param(optimizer: OptimizerAccess, world_size: int, sp: ShardedParam, reader: ShardReader, plan: _Plan,
                  masters: dict[int, torch.Tensor], groups: dict[int, dict]) -> None:
     """`sp`'s saved values into its shard (and its full values, if resident), its master
@@ -840,7 +857,7 @@ def _apply_param(optimizer: OptimizerAccess, world_size: int, sp: ShardedParam, 
     entry = plan.manifest["params"][sp.name]
     numel = entry["numel"]
     start, end = sp.range_of(sp.rank)
-    _fill(sp.shard, reader.read_range(f"param/{sp.name}", numel, start, end))
+    shard = _loaded_shard(sp, reader.read_range(f"param/{sp.name}", numel, start, end))
     if sp.state is ParamState.FULL and sp.numel:
         full = reader.read_range(f"param/{sp.name}", numel, 0, numel).to(sp.param.device, sp.dtype)
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(sp.param):
@@ -855,7 +872,7 @@ def _apply_param(optimizer: OptimizerAccess, world_size: int, sp: ShardedParam, 
             plan.note_conversion("masters", saved.dtype, master.dtype)
             _fill(master, saved)
         else:  # as DeepSpeed: the master is refreshed from the loaded 16-bit weights
-            _fill(master, sp.shard)
+            _fill(master, shard)
     elif plan.restore_optimizer and entry.get("master"):  # saved apart, now the shard (rounded, as saved)
         plan.note_conversion("masters", _saved_master_dtype(plan.manifest), master.dtype)
     if plan.restore_optimizer:
@@ -932,6 +949,7 @@ def _apply_tensors(model: ShardedModel, optimizer: OptimizerAccess, placement: P
         restore_late(model.module, model.table, plan.manifest.get("late_params", {}), reader.read_whole,
                      model.comm.rank)
     optimizer.store_loose()
+    drain_param_writes(model.table.values())
     plan.log_conversions(model.comm.rank)
     return grads
 

@@ -86,7 +86,9 @@ def set_full_fp32_param(param: nn.Parameter, value: torch.Tensor) -> None:
 
 
 def _write_weights(sp: ShardedParam, piece: torch.Tensor, full: torch.Tensor | None) -> None:
-    if sp.shard is not None and not sp.aliased:
+    if sp.backing is not None:  # the NVMe tier: read, changed, written back
+        sp.write_shard(piece.to(sp.shard.dtype))
+    elif sp.shard is not None and not sp.aliased:
         _write_local(sp.shard, sp, piece)
     if sp.param.untyped_storage().nbytes() > 0 and full is not None:
         with torch.no_grad():
@@ -242,7 +244,7 @@ def full_state_dict(model: ShardedModel, optimizer: OptimizerAccess, prefix: str
             continue
         sp = model.table[tensor]
         if id(sp) not in gathered:
-            gathered[id(sp)] = gather_full(model, sp, sp.shard).cpu()
+            gathered[id(sp)] = gather_full(model, sp, sp.shard_values()).cpu()
         out[prefix + name] = gathered[id(sp)]
     return out
 

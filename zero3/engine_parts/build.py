@@ -130,9 +130,10 @@ def shard_parameters(named_params: list[tuple[str, nn.Parameter]], init_shards: 
     releases, gathers or aliases it. Consumes `init_shards`."""
     zero = config.zero
     persistent = choose_persistent(named_params, zero.param_persistence_threshold, zero.model_persistence_threshold)
-    offload = zero.offload_param.device == "cpu"
+    offload = zero.offload_param.enabled  # "nvme": on the host until settled into the swap files
     shard_device = torch.device("cpu") if offload else device
-    pin = offload and zero.offload_param.pin_memory
+    # with "nvme" pinned only once placed (engine_parts/placement.py): the NVMe tier's go to files
+    pin = offload and zero.offload_param.pin_memory and not zero.offload_param.nvme
     table: dict[nn.Parameter, ShardedParam] = {}
     for name, p in named_params:
         init_shard = init_shards.pop(p, None)

@@ -182,7 +182,7 @@ def _adopt_values_of(comm: Communicator, optimizer: OptimizerAccess, sps: list[S
             comm.broadcast(sp.param.data, src=src)
             start, end = sp.range_of(sp.rank)
             values = sp.param.detach().reshape(-1)[start:end]
-            sp.shard[: end - start].copy_(values)
+            sp.write_shard(values)  # into the shard, or its NVMe file
             master = optimizer.master_of(sp)
             if master is not None and master is not sp.shard:
                 master[: end - start].copy_(values)

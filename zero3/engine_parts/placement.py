@@ -5,7 +5,7 @@ shards; its gradient shards, masters and optimizer state from the client optimiz
 kind), the working set, the budget (zero3/placement/budget.py) -> a `Plan`
 (zero3/placement/plan.py) -> a `Placement` every owner reads. `settle_parameters` then
 puts each parameter shard on its tier and leaves each parameter sharded, resident or
-aliased. Under a measured budget, `MeasuredPlacement` watches the first accumulation
+aliased, and writes the NVMe tier's shards to their files. Under a measured budget, `MeasuredPlacement` watches the first accumulation
 window and, at its boundary, makes the plan once and moves what now fits onto the device
 (`move_to_plan`): shards by their ShardedParams, masters and optimizer state by the
 sharded optimizer, the host gradient buffer by the gradient sink. Nothing is moved again.
@@ -20,17 +20,19 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from zero3.config import OffloadConfig, Zero3Config
+from zero3.config import Zero3Config
 from zero3.grads.sink import GradSink
 from zero3.optim.masters import ShardedOptimizer
 from zero3.optim.state_moves import reshare
+from zero3.params.fetch import Fetcher
 from zero3.params.fetch_unit import FetchUnit
+from zero3.params.nvme_shards import ParamSwap, attach_param_swap
 from zero3.params.partition import ParamState, ShardedParam
 from zero3.params.wire import gather_rows
 from zero3.placement.budget import BudgetChoice, choose_budget, measured_budget
 from zero3.placement.devices import Placement
 from zero3.placement.plan import Plan, PlacementError, PlanInputs, Tier, UnitSize, make_plan, widened
-from zero3.placement.sizes import state_bytes_per_element, working_set_bytes
+from zero3.placement.sizes import param_staging_bytes, state_bytes_per_element, working_set_bytes
 from zero3.platform.collectives import Communicator
 
 logger = logging.getLogger("zero3")
@@ -85,7 +87,7 @@ def unit_sizes(units: list[FetchUnit], rules: SizeRules, trains: bool) -> tuple[
         gathered = sum(sp.numel * sp.param.element_size() for sp in unit.params)
         grads = sum(sp.shard_numel for sp in unit.params if sp.requires_grad) * rules.grad_width if trains else 0
         sizes.append(UnitSize(unit.name, param_bytes, state_bytes, gathered, grad_bytes=grads,
-                              swap_bytes=state_bytes - grads))
+                              swap_bytes=state_bytes - grads, param_numel=sum(sp.shard_numel for sp in unit.params)))
     return tuple(sizes)
 
 
@@ -107,12 +109,16 @@ def plan_inputs(config: Zero3Config, table: dict, units: list[FetchUnit], optimi
     """What the plan is made from; `current`: the placement a re-plan starts from (its NVMe
     units stay on NVMe and no other joins them: the NVMe tier is fixed at initialize)."""
     rules = SizeRules.of(config, optimizer)
-    nvme = None
-    if current is not None and current.plan is not None and config.zero.offload_optimizer.nvme:
-        nvme = tuple(u.name for u in current.plan.units if u.state is Tier.NVME)
+    nvme = nvme_params = None
+    if current is not None and current.plan is not None:
+        if config.zero.offload_optimizer.nvme:
+            nvme = tuple(u.name for u in current.plan.units if u.state is Tier.NVME)
+        if config.zero.offload_param.nvme:
+            nvme_params = tuple(u.name for u in current.plan.units if u.params is Tier.NVME)
     zero = config.zero
+    sizes = unit_sizes(units, rules, trains=optimizer is not None)
     return PlanInputs(
-        units=unit_sizes(units, rules, trains=optimizer is not None),
+        units=sizes,
         param_offload=zero.offload_param.enabled,
         state_offload=zero.offload_optimizer.enabled,
         ratio=zero.offload_optimizer.ratio,
@@ -125,6 +131,10 @@ def plan_inputs(config: Zero3Config, table: dict, units: list[FetchUnit], optimi
         host_budget=config.placement.host_budget,
         nvme_units=nvme,
         reserve=choice.reserve,
+        params_nvme=zero.offload_param.nvme,
+        max_in_cpu=zero.offload_param.max_in_cpu,
+        param_staging_bytes=param_staging_bytes(zero.offload_param, rules.width, [u.param_bytes for u in sizes]),
+        nvme_param_units=nvme_params,
     )
 
 
@@ -172,16 +182,20 @@ def placement_of(plan: Plan, units: list[FetchUnit], device: torch.device) -> Pl
     return placement
 
 
-def settle_parameters(table: dict[torch.nn.Parameter, ShardedParam], placement: Placement, comm: Communicator,
-                      offload: OffloadConfig, provisional: bool = False) -> None:
+def settle_parameters(table: dict[torch.nn.Parameter, ShardedParam], units: list[FetchUnit], placement: Placement,
+                      comm: Communicator, config: Zero3Config, provisional: bool = False) -> ParamSwap | None:
     """Each shard onto its tier; then, at world size 1 without collectives, a parameter whose
     shard and optimizer side are both on the compute device is aliased to its shard
     (resident for good, stepped in place) unless the placement is `provisional` (a measured
     budget may send it back to the host); other non-persistent parameters are released and
-    persistent ones that arrived partitioned are gathered. Collective (those gathers)."""
+    persistent ones that arrived partitioned are gathered. Last, the shards of the NVMe tier
+    go to their swap files (params/nvme_shards.py; returned, None without the tier).
+    Collective (those gathers, the swap folder's checks)."""
     device = placement.compute_device
+    offload = config.zero.offload_param
     for sp in table.values():
-        sp.move_shard(placement.param_device(sp), offload.enabled and offload.pin_memory)
+        pin = offload.enabled and offload.pin_memory and placement.params_tier(sp) is not Tier.NVME
+        sp.move_shard(placement.param_device(sp), pin)
         alias = (not comm.active and not provisional and sp.shard.device == sp.param.device
                  and placement.state_tier(sp) is Tier.DEVICE and placement.params_tier(sp) is Tier.DEVICE)
         if alias and sp.state is ParamState.SHARDED:
@@ -194,6 +208,24 @@ def settle_parameters(table: dict[torch.nn.Parameter, ShardedParam], placement: 
         elif sp.state is ParamState.SHARDED and sp.persistent:
             sp.begin_gather()  # partitioned by zero3.Init, resident by the config
             sp.finish_gather(gather_rows(comm, sp.shard, device))
+    on_nvme = [[sp for sp in unit.params if not sp.persistent and placement.params_tier(sp) is Tier.NVME]
+               for unit in units]
+    return attach_param_swap(offload, config.aio, on_nvme, comm, device)
+
+
+def gather_back(fetcher: Fetcher, table: dict[torch.nn.Parameter, ShardedParam], swap: ParamSwap | None) -> None:
+    """Teardown: every parameter gathered whole again, then the NVMe tier's swap files
+    removed. After a failed write of the tier its shards' values are lost: those parameters
+    stay released (a warning says so)."""
+    lost = swap is not None and swap.lost
+    if lost:
+        logger.warning("zero3: an NVMe swap write failed earlier; the parameters on the NVMe tier are left "
+                       "released (their values are lost): load the last checkpoint into a new engine")
+    try:
+        fetcher.gather(sp for sp in table.values() if not (lost and sp.backing is not None))
+    finally:
+        if swap is not None:
+            swap.close()
 
 
 def log_plan(plan: Plan | None, rank: int) -> None:
@@ -245,17 +277,21 @@ def move_to_plan(owners: PlacementOwners, plan: Plan) -> int:
 
 
 def _refuse_nvme_moves(placement: Placement, units: list[FetchUnit], plan: Plan) -> None:
-    """The NVMe tier is fixed at initialize: a plan that takes a unit's optimizer side onto
-    it or off it is refused before anything moves."""
+    """The NVMe tier is fixed at initialize: a plan that takes a unit's optimizer side or
+    parameter shards onto it or off it is refused before anything moves."""
     for unit in units:
         for sp in unit.params[:1]:
-            now, new = placement.state_tier(sp), plan.state_tier(unit.name)
-            if now is not new and Tier.NVME in (now, new):
-                raise PlacementError(
-                    f"the new placement moves the optimizer state of unit {unit.name!r} from {now.value} to "
-                    f"{new.value}; the NVMe tier is decided at initialize (placement.host_budget, "
-                    "offload_optimizer.device) and does not change while training: keep the budget, or "
-                    "save a checkpoint and load it into an engine built with the new one")
+            for piece, now, new, keys in (
+                    ("optimizer state", placement.state_tier(sp), plan.state_tier(unit.name),
+                     "placement.host_budget, offload_optimizer.device"),
+                    ("parameter shards", placement.params_tier(sp), plan.params_tier(unit.name),
+                     "offload_param.max_in_cpu, offload_param.device")):
+                if now is not new and Tier.NVME in (now, new):
+                    raise PlacementError(
+                        f"the new placement moves the {piece} of unit {unit.name!r} from {now.value} to "
+                        f"{new.value}; the NVMe tier is decided at initialize ({keys}) and does not change "
+                        "while training: keep the budget, or save a checkpoint and load it into an engine "
+                        "built with the new one")
 
 
 class MeasuredPlacement:

@@ -79,7 +79,7 @@ class StateOffload:
             return [v for state in self.optimizer.state().values() for v in state.values()
                     if isinstance(v, torch.Tensor)]
         if kind == "lp_params":
-            return [sp.shard for sp in table.values() if not sp.aliased]
+            return [sp.shard for sp in table.values() if not sp.aliased and sp.backing is None]  # NVMe: files
         if kind == "lp_grads":
             return [sp.grad_shard for sp in table.values() if sp.grad_shard is not None]
         return []  # contiguous_grad_buffer: no persistent buckets

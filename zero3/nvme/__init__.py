@@ -14,8 +14,8 @@
 - `pager.py`: swap groups (one file each) read into and written from those buffers,
   asynchronously: the next group read while the current one is used, writes behind.
 
-It knows bytes and files only; what the bytes are (masters, optimizer state) is the
-optimizer's business (zero3/optim/nvme_state.py).
+It knows bytes and files only; what the bytes are is its users' business: masters and
+optimizer state (zero3/optim/nvme_state.py), parameter shards (zero3/params/nvme_shards.py).
 
 May import: `zero3.config`. Sits in the foundation layer.
 """

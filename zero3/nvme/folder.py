@@ -1,13 +1,15 @@
 """The per-rank swap folder under `nvme_path`: scratch space, never a checkpoint.
 
-Layout: `<nvme_path>/zero3_swap/<host>-pid<pid>-rank<r>/` holding `lock` (held with
+Layout: `<nvme_path>/zero3_swap/<host>-pid<pid>-rank<r>[-<kind>]/` (a kind per tier that
+swaps: the optimizer state has none, parameter shards "params", so both may share a path) holding `lock` (held with
 `fcntl.flock` for the process's life) and the swap files. `SwapFolder.create` (at
 initialize, on every rank):
 1. checks that `nvme_path` exists, is a folder and is writable (a probe file is written,
    fsynced and removed), else `SwapSetupError` saying what was found and what to do;
 2. clears the leftovers of killed runs: every folder under `zero3_swap` whose lock can be
    taken has no live owner (a lock dies with its process) and is removed, logged, never
-   read; folders of live runs (their lock held) are left alone;
+   read; folders of live runs (their lock held) are left alone, and so is a folder another
+   rank is creating at that moment (its lock appears only once held, step 4);
 3. checks that the file system has room for `needed` bytes (the state the plan puts on
    NVMe, measured from its sizes before training starts), else `SwapSetupError` with
    both numbers;
@@ -25,6 +27,7 @@ import logging
 import os
 import shutil
 import socket
+import time
 import weakref
 from pathlib import Path
 
@@ -33,20 +36,25 @@ logger = logging.getLogger("zero3")
 GIB = 1 << 30
 ROOT = "zero3_swap"
 LOCK = "lock"
+CREATING_S = 60.0  # a folder without its lock this long is a leftover (its run died creating it)
 
 
 class SwapSetupError(RuntimeError):
     """The swap folder cannot be used (missing, not writable, too small)."""
 
 
-def check_path(nvme_path: str) -> Path:
-    """`nvme_path` as a folder that exists and takes a written, fsynced file."""
+OPTIMIZER_KEY = "offload_optimizer.nvme_path"
+OPTIMIZER_FIX = "keep more of the optimizer state on the host (placement.host_budget)"
+
+
+def check_path(nvme_path: str, key: str = OPTIMIZER_KEY) -> Path:
+    """`nvme_path` (the config's `key`) as a folder that exists and takes a written, fsynced file."""
     path = Path(nvme_path)
     if not path.exists():
-        raise SwapSetupError(f"offload_optimizer.nvme_path {nvme_path!r} does not exist; create the folder "
+        raise SwapSetupError(f"{key} {nvme_path!r} does not exist; create the folder "
                              "(on a local NVMe drive) or point nvme_path at one")
     if not path.is_dir():
-        raise SwapSetupError(f"offload_optimizer.nvme_path {nvme_path!r} is not a folder; point it at a folder")
+        raise SwapSetupError(f"{key} {nvme_path!r} is not a folder; point it at a folder")
     probe = path / f".zero3_probe_{socket.gethostname()}_{os.getpid()}"
     try:
         with open(probe, "wb") as handle:
@@ -54,7 +62,7 @@ def check_path(nvme_path: str) -> Path:
             handle.flush()
             os.fsync(handle.fileno())
     except OSError as exc:
-        raise SwapSetupError(f"offload_optimizer.nvme_path {nvme_path!r} is not writable by this process "
+        raise SwapSetupError(f"{key} {nvme_path!r} is not writable by this process "
                              f"({exc.strerror or exc}); give it write permission or choose another folder") from exc
     finally:
         probe.unlink(missing_ok=True)
@@ -75,11 +83,15 @@ def clear_leftovers(root: Path) -> list[Path]:
 
 
 def _held(lock: Path) -> bool:
-    """True when a live process holds `lock` (a folder with no lock file is a leftover)."""
+    """True when a live process holds `lock`. A folder with no lock file yet is one being
+    created (its lock appears already held: `create`), unless it is older than CREATING_S."""
     try:
         fd = os.open(lock, os.O_RDWR)
     except OSError:
-        return False
+        try:
+            return time.time() - lock.parent.stat().st_mtime < CREATING_S
+        except OSError:
+            return False
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -89,13 +101,13 @@ def _held(lock: Path) -> bool:
     return False
 
 
-def check_space(path: Path, needed: int) -> None:
+def check_space(path: Path, needed: int, key: str = OPTIMIZER_KEY, fix: str = OPTIMIZER_FIX) -> None:
     free = shutil.disk_usage(path).free
     if free < needed:
         raise SwapSetupError(
-            f"offload_optimizer.nvme_path {str(path)!r} has {free / GIB:.3f} GiB free, and this rank's swap "
+            f"{key} {str(path)!r} has {free / GIB:.3f} GiB free, and this rank's swap "
             f"files need {needed / GIB:.3f} GiB ({needed} bytes); free space there, point nvme_path at a larger "
-            "drive, or keep more of the optimizer state on the host (placement.host_budget)")
+            f"drive, or {fix}")
 
 
 class SwapFolder:
@@ -107,17 +119,22 @@ class SwapFolder:
         self._finalizer = weakref.finalize(self, _remove, path, lock_fd)  # also runs at a clean exit
 
     @classmethod
-    def create(cls, nvme_path: str, rank: int, needed: int) -> tuple["SwapFolder", list[Path]]:
-        """Steps 1-4 of the module docstring; returns the folder and the leftovers cleared."""
-        base = check_path(nvme_path)
+    def create(cls, nvme_path: str, rank: int, needed: int, kind: str = "", key: str = OPTIMIZER_KEY,
+               fix: str = OPTIMIZER_FIX) -> tuple["SwapFolder", list[Path]]:
+        """Steps 1-4 of the module docstring; returns the folder and the leftovers cleared.
+        `key` and `fix` name the config key and the remedy in the errors."""
+        base = check_path(nvme_path, key)
         root = base / ROOT
         cleared = clear_leftovers(root)
-        check_space(base, needed)
-        path = root / f"{socket.gethostname()}-pid{os.getpid()}-rank{rank}"
+        check_space(base, needed, key, fix)
+        path = root / (f"{socket.gethostname()}-pid{os.getpid()}-rank{rank}" + (f"-{kind}" if kind else ""))
         shutil.rmtree(path, ignore_errors=True)  # an earlier engine of this process, not removed
         path.mkdir(parents=True)
-        fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+        # The lock is taken under another name and then renamed into place (the lock stays
+        # with the file), so that another run clearing leftovers never sees it free.
+        fd = os.open(path / f"{LOCK}.new", os.O_RDWR | os.O_CREAT, 0o600)
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.rename(path / f"{LOCK}.new", path / LOCK)
         return cls(path, fd), cleared
 
     def file(self, name: str) -> Path:

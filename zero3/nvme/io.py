@@ -50,12 +50,18 @@ class IssueSettings:
     overlap_events: bool = True
 
 
-class SwapIO:
-    """Requests over one backend; requests run in start order on one request thread."""
+OPTIMIZER_ADVICE = ("keep more of the optimizer state on the host (placement.host_budget)",
+                    "The optimizer state of this step is partly applied")
 
-    def __init__(self, files: SwapFiles, settings: IssueSettings) -> None:
+
+class SwapIO:
+    """Requests over one backend; requests run in start order on one request thread.
+    `advice`: (what else frees space, what a failure leaves behind), for the error messages."""
+
+    def __init__(self, files: SwapFiles, settings: IssueSettings, advice: tuple[str, str] = OPTIMIZER_ADVICE) -> None:
         self.files = files
         self.settings = settings
+        self.advice = advice
         self._calls = ThreadPoolExecutor(max_workers=settings.threads, thread_name_prefix="zero3-nvme-io")
         self._requests = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zero3-nvme-request")
         self._lock = threading.Lock()
@@ -107,8 +113,7 @@ class SwapIO:
             for future in pending:  # after a failure: let the others end before raising
                 future.exception()
 
-    @staticmethod
-    def _call(call: Callable, op: str, path: Path, view: torch.Tensor, offset: int) -> int:
+    def _call(self, call: Callable, op: str, path: Path, view: torch.Tensor, offset: int) -> int:
         """One call, all of its bytes (a short transfer is continued, then called a failure)."""
         done, want = 0, view.numel()
         try:
@@ -119,7 +124,7 @@ class SwapIO:
                                   f"{op} moved {moved} bytes")
                 done += moved
         except OSError as exc:
-            raise SwapIOError(exc.errno, _failure(op, path, offset + done, want - done, exc)) from exc
+            raise SwapIOError(exc.errno, _failure(op, path, offset + done, want - done, exc, self.advice)) from exc
         return done
 
     def close(self) -> None:
@@ -129,13 +134,13 @@ class SwapIO:
         self.files.close()
 
 
-def _failure(op: str, path: Path, offset: int, left: int, exc: OSError) -> str:
+def _failure(op: str, path: Path, offset: int, left: int, exc: OSError, advice: tuple[str, str]) -> str:
     try:
         free = f"{shutil.disk_usage(path.parent).free / GIB:.3f} GiB free on its file system"
     except OSError:
         free = "free space unknown"
-    fix = ("free space under nvme_path (or point it at a larger drive), or keep more of the optimizer "
-           "state on the host (placement.host_budget)") if op == "write" else "check the drive"
+    fix = (f"free space under nvme_path (or point it at a larger drive), or {advice[0]}"
+           if op == "write" else "check the drive")
     return (f"NVMe swap {op} of {path} failed at byte {offset} with {left} bytes left: "
-            f"{exc.strerror or exc} (errno {exc.errno}); {free}. Fix: {fix}. The optimizer state of "
-            "this step is partly applied: rebuild the engine and load the last checkpoint")
+            f"{exc.strerror or exc} (errno {exc.errno}); {free}. Fix: {fix}. {advice[1]}: rebuild the engine "
+            "and load the last checkpoint")

@@ -48,6 +48,7 @@ from zero3.optim.nvme_state import OptimizerSwap, attached
 from zero3.optim.precision import MasterPrecision
 from zero3.optim.state_moves import move_master
 from zero3.optim.write_back import ShardWriteBack, record_current_stream
+from zero3.params.nvme_shards import drain_param_writes
 from zero3.params.partition import ShardedParam
 from zero3.placement.devices import Placement
 from zero3.placement.plan import Tier
@@ -150,7 +151,9 @@ class ShardedOptimizer:
                 if not sp.requires_grad:
                     continue  # frozen: never has a gradient, needs no master
                 self.params.append(sp)
-                master = self.precision.make_master(sp.shard, self.placement.state_device(sp), self.pin_memory)
+                on_nvme = sp.backing is not None  # never the shard: that one lives in a file
+                master = self.precision.make_master(sp.shard_values(), self.placement.state_device(sp),
+                                                    self.pin_memory, apart=on_nvme)
                 self.masters.append(master)
                 masters.append(master)
             group["params"] = masters
@@ -381,6 +384,7 @@ class ShardedOptimizer:
                 with self.precision.stepping(self.masters):
                     self.optimizer.step()
                 self._write_back_shards(groups[0])
+            self._drain_param_writes()
             return
         grads = [m.grad for m in self.masters]
         for master in self.masters:
@@ -394,6 +398,7 @@ class ShardedOptimizer:
                 self._write_back_shards(group)
             for i in group:
                 self.masters[i].grad = None
+        self._drain_param_writes()
         if keep_others:
             stepped = {i for group in groups for i in group}
             for i, master in enumerate(self.masters):
@@ -422,6 +427,8 @@ class ShardedOptimizer:
                 self._write_back_shards(groups[index], after=queued)
             for i in groups[index]:
                 self.masters[i].grad = None
+            if index == len(groups) - 1:
+                self._drain_param_writes()
 
         self.background.start([[self.params[i] for i in group] for group in groups], run)
         # lr schedulers warn when the optimizer they wrap was never stepped.
@@ -483,9 +490,20 @@ class ShardedOptimizer:
         return {id(sp): master for sp, master in zip(self.params, self.masters)}
 
     def _write_back_shards(self, group: list[int], after: torch.cuda.Event | None = None) -> None:
-        """master -> compute shard for the parameters of `group` (optim/write_back.py)."""
+        """master -> compute shard for the parameters of `group` (optim/write_back.py); a
+        shard on the NVMe tier is written to its file instead (started here, waited for by
+        `_drain_param_writes` at the end of the step: params/nvme_shards.py)."""
+        for i in group:
+            sp = self.params[i]
+            if sp.backing is not None:
+                sp.backing.write(sp, self.masters[i])
         self.write_back.write([(self.params[i].shard, self.masters[i]) for i in group
-                               if self.masters[i] is not self.params[i].shard], after)
+                               if self.masters[i] is not self.params[i].shard and self.params[i].backing is None],
+                              after)
+
+    def _drain_param_writes(self) -> None:
+        """The step's writes of NVMe-tier shards are on disk (a failed one raised here)."""
+        drain_param_writes(self.params)
 
     def _drop_shard_grads(self) -> None:
         """The window is over: gradient shards dropped, usage forgotten."""

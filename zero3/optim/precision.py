@@ -69,10 +69,11 @@ class MasterPrecision:
         """Whether the master of `shard`, living on `device`, is the shard itself."""
         return not self.upcasts and shard.dtype == self.master_dtype and shard.device == device
 
-    def make_master(self, shard: torch.Tensor, device: torch.device, pin: bool) -> torch.Tensor:
-        """The master of `shard` on `device`: the shard itself where `shares_storage`, else a
-        new tensor in the master dtype (pinned on the host when `pin`). The caller owns it."""
-        if self.shares_storage(shard, device):
+    def make_master(self, shard: torch.Tensor, device: torch.device, pin: bool, apart: bool = False) -> torch.Tensor:
+        """The master of `shard` on `device`: the shard itself where `shares_storage` (and not
+        `apart`: a shard on the NVMe tier lives in a file), else a new tensor in the master
+        dtype (pinned on the host when `pin`). The caller owns it."""
+        if self.shares_storage(shard, device) and not apart:
             return shard
         if pin and device.type == "cpu":
             master = pinned_empty(shard.numel(), self.master_dtype).view(shard.shape)

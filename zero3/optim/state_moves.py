@@ -42,7 +42,7 @@ def move_master(master: torch.Tensor, state: dict[str, Any], group: dict[str, An
 def reshare(sp: ShardedParam, master: torch.Tensor | None, precision: MasterPrecision) -> None:
     """A master next to its shard, of the shard's dtype, becomes the shard again (one copy,
     the master's identity kept) where `precision` lets a master be its shard."""
-    if (master is not None and master is not sp.shard and not sp.aliased
+    if (master is not None and master is not sp.shard and not sp.aliased and sp.backing is None
             and master.dtype == sp.shard.dtype and precision.shares_storage(sp.shard, master.device)):
         with torch.no_grad():
             master.copy_(sp.shard)

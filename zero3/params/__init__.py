@@ -11,9 +11,10 @@ every gather goes through `wire.py` (one coalesced all-gather, guarded by the he
 A parameter's own state: `partition.py` (its shard and the SHARDED -> GATHERING -> FULL
 state machine), `released.py` (a released parameter is sealed: named errors instead of
 freed storage), `ownership.py` (which parameters a live engine manages),
-`late_params.py` (modules attached after initialize). Building a model already
+`late_params.py` (modules attached after initialize), `nvme_shards.py` (the NVMe tier of
+parameter shards: swap files, staging buffers read ahead of the gathers). Building a model already
 partitioned: `init.py` (`zero3.Init`) and `init_gather.py` (its gathers).
 
-May import: `zero3.platform`. Must not import grads, optim, engine_parts, checkpoint,
+May import: `zero3.platform`, `zero3.config`, `zero3.placement`, `zero3.nvme` (the foundation). Must not import grads, optim, engine_parts, checkpoint,
 compat, hf, the engine or the command line.
 """

@@ -181,7 +181,8 @@ class Fetcher:
         self.guard = GatherGuard(names, comm.gather_objects, comm.rank, comm.world_size)
         param_index = {id(sp): i for i, sp in enumerate(table.values())}
         self.wire = GatherWire(comm, compute_device, self.guard, param_index,
-                               any(sp.shard.device.type == "cpu" for sp in table.values()), shard_fence)
+                               any(sp.shard.device.type == "cpu" or sp.backing is not None for sp in table.values()),
+                               shard_fence)
         self.lookahead = LookAhead(units, self.schedule, policy, self.wire, comm, self.drop)
         self.discovery = AccessDiscovery(root, table, not self.all_resident, self.on_access, self._late_use,
                                          on_structure_change)

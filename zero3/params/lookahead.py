@@ -40,6 +40,9 @@ class LookAhead:
         self._ahead_numel = 0  # elements prefetched and not yet used
         self.prefetched_units = 0
         self.reused_units = 0
+        # NVMe-tier shards (nvme_shards.py): their reads are started ahead, as far as the staging buffers go
+        self._reads_ahead = max((sp.backing.staging_buffers for unit in units for sp in unit.params
+                                 if sp.backing is not None), default=0)
 
     @property
     def busy(self) -> bool:
@@ -85,7 +88,9 @@ class LookAhead:
     def prefetch(self) -> None:
         """Start gathering the next planned units: up to the policy's bucket of elements
         ahead of use, within its bound on live elements, one asynchronous all-gather per
-        unit and dtype. Each prefetched parameter takes a spare hold."""
+        unit and dtype. Each prefetched parameter takes a spare hold. Before that, the reads
+        of NVMe-tier shards of the units ahead are started (`read_ahead`)."""
+        self.read_ahead()
         if not self.policy.prefetches or not self.schedule.on_plan:
             return
         if not self.comm.active and not self.wire.shards_on_host:
@@ -94,6 +99,24 @@ class LookAhead:
             for _, group in group_by_dtype(fresh):
                 self._issue(unit, group)
             self.prefetched_units += 1
+
+    def read_ahead(self) -> None:
+        """Start reading the NVMe-tier shards of the next planned units into free staging
+        buffers (never waits), so that their gathers find them in host memory: at most as
+        many units as there are buffers, stopping at the first that finds none free."""
+        if not self._reads_ahead or not self.schedule.on_plan:
+            return
+        units = 0
+        for _, index in self.schedule.upcoming(LOOKAHEAD_ENTRIES):
+            backed = [sp for sp in self.units[index].fetch_list()
+                      if sp.backing is not None and sp.state is ParamState.SHARDED]
+            if not backed:
+                continue
+            if not backed[0].backing.prefetch(backed):
+                return
+            units += 1
+            if units >= self._reads_ahead:
+                return
 
     def _pick_units(self) -> list[tuple[FetchUnit, list[ShardedParam]]]:
         policy = self.policy

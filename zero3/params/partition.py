@@ -19,6 +19,13 @@ Memory ownership:
 State transitions, and only these, are done by the methods below; each checks the state
 it starts from:  SHARDED --begin_gather--> GATHERING --finish_gather--> FULL --release--> SHARDED
 
+NVMe tier (offload_param.device "nvme"; nvme_shards.py): `backing` is the swap that holds
+the shard's values in a file. `shard` is then a meta tensor of the shard's shape and dtype
+between uses (any read of its values fails), and a view of a host staging buffer only
+while a gather copies it (`ShardBacking.bind` / `unbind`, called by the wire). Code outside
+the gather reads and writes the values through `shard_values()` / `write_shard()`, which
+work for every tier.
+
 Aliasing (world size 1, shard on the parameter's own device): after `alias_shard()` the
 shard *is* a flat view of the parameter's storage, the parameter is resident for good
 (FULL, never released), and writing the shard (optimizer write-back, checkpoint load)
@@ -28,6 +35,7 @@ writes the parameter. Nothing is ever gathered or copied for it.
 from __future__ import annotations
 
 import enum
+from typing import Protocol
 
 import torch
 
@@ -44,6 +52,33 @@ class ParamState(enum.Enum):
 
 class StateError(RuntimeError):
     """A transition was asked for from the wrong state: an engine invariant is broken."""
+
+
+class ShardBacking(Protocol):
+    """Where the values of an NVMe-tier shard live (nvme_shards.ParamSwap)."""
+
+    def bind(self, sps: list["ShardedParam"]) -> None:
+        """Each shard a view of its values in host memory until `unbind`."""
+
+    def unbind(self, sps: list["ShardedParam"]) -> None:
+        """The views dropped (after the copies out of them are issued)."""
+
+    def readable(self, sp: "ShardedParam") -> torch.Tensor:
+        """A new host tensor holding `sp`'s shard values (the caller owns it)."""
+
+    def write(self, sp: "ShardedParam", values: torch.Tensor) -> None:
+        """`values` (shard_numel elements, any dtype or device) become `sp`'s shard values."""
+
+    @property
+    def staging_buffers(self) -> int:
+        """How many host staging buffers the reads may fill ahead."""
+
+    def drain(self) -> None:
+        """Every write started is on disk (a failed one raised)."""
+
+    def prefetch(self, sps: list["ShardedParam"]) -> bool:
+        """Start reading the shards of `sps` ahead, while staging buffers are free (never
+        waits); False once none is."""
 
 
 class ShardedParam:
@@ -91,6 +126,7 @@ class ShardedParam:
         # squared L2 norm of grad_shard when known on the device (grads/sink.py), else None
         self.grad_sq_norm: torch.Tensor | None = None
         self.aliased = False
+        self.backing: ShardBacking | None = None  # set by the NVMe tier (nvme_shards.py)
 
     # ----------------------------------------------------------------- layout
     @property
@@ -121,6 +157,26 @@ class ShardedParam:
         flat = self.padded_flat(self.param.detach())
         return flat[start:start + self.shard_numel].to(self.shard_device, copy=True)
 
+    # ------------------------------------------------------------ values
+    def shard_values(self) -> torch.Tensor:
+        """The shard's values on any tier: the shard itself, or (NVMe tier) a new host
+        tensor read from its swap file. For readers outside the gather path."""
+        return self.backing.readable(self) if self.backing is not None else self.shard
+
+    def write_shard(self, values: torch.Tensor, start: int = 0) -> None:
+        """shard[start:start + values.numel()] = values on any tier (NVMe: the shard read,
+        changed and written back; a whole shard is written without a read)."""
+        if self.backing is None:
+            with torch.no_grad():
+                self.shard[start:start + values.numel()].copy_(values.reshape(-1))
+            return
+        if start == 0 and values.numel() == self.shard_numel:
+            self.backing.write(self, values)
+            return
+        whole = self.backing.readable(self)
+        whole[start:start + values.numel()].copy_(values.reshape(-1))
+        self.backing.write(self, whole)
+
     # ------------------------------------------------------------ transitions
     def _expect(self, state: ParamState, verb: str) -> None:
         if self.state is not state:
@@ -143,9 +199,14 @@ class ShardedParam:
         """The shard moves to `device` (values kept) as a new tensor: a tensor that was the
         shard (an fp32 master sharing it) stays where it was, with the same values. Pinned on
         the host when `pin_memory` and CUDA is there. An aliased shard is the parameter's own
-        storage and never moves."""
+        storage and never moves. Already on `device` (the host), it is pinned there if asked."""
         if self.shard.device == device:
+            if (pin_memory and device.type == "cpu" and torch.cuda.is_available() and self.backing is None
+                    and not self.shard.is_pinned()):
+                self.shard = self.shard.pin_memory()
             return
+        if self.backing is not None:
+            raise StateError(f"move_shard({self.name}): an NVMe-tier shard stays there (fixed at initialize)")
         if self.aliased:
             raise StateError(f"move_shard({self.name}): an aliased shard is the parameter itself")
         if pin_memory and device.type == "cpu" and torch.cuda.is_available():
@@ -158,7 +219,7 @@ class ShardedParam:
     def adopt_shard(self, tensor: torch.Tensor) -> None:
         """`tensor` (same shape, dtype and values) becomes the shard: an fp32 master moved
         next to its shard is shared with it again."""
-        if tensor.shape != self.shard.shape or tensor.dtype != self.shard.dtype or self.aliased:
+        if tensor.shape != self.shard.shape or tensor.dtype != self.shard.dtype or self.aliased or self.backing:
             raise StateError(f"adopt_shard({self.name}): {tuple(tensor.shape)} {tensor.dtype} for a shard of "
                              f"{tuple(self.shard.shape)} {self.shard.dtype} (aliased: {self.aliased})")
         self.shard = tensor

@@ -11,6 +11,9 @@ is fixed by construction rather than by the model's control flow: `zero3.Init`'s
 materialization (model construction is SPMD), the engine's resident refresh after a step
 and the adoption of resident parameters at initialize, and the offline export.
 
+NVMe-tier shards (nvme_shards.py) are bound to host staging buffers, after the fence, only
+while the send buffer is filled; their reads were started ahead by the look-ahead.
+
 Memory: the send and receive buffers are temporaries of one gather (of one prefetch,
 until it completes); the values land in each parameter's own storage
 (`ShardedParam.finish_gather`). Before a group's shards are read, `shard_fence(group)`
@@ -219,27 +222,39 @@ class GatherWire:
 
     def _send_buffer(self, group: list[ShardedParam] | None, dtype: torch.dtype, nbytes: int,
                      header: list[int] | None = None) -> torch.Tensor:
-        """A uint8 send buffer: [header] + the group's shards (or `nbytes` zeros if None)."""
+        """A uint8 send buffer: [header] + the group's shards (or `nbytes` zeros if None).
+        NVMe-tier shards are bound to their staging buffers for the copy (nvme_shards.py)."""
         head = HEADER_BYTES if header is not None else 0
+        backed: list[ShardedParam] = []
         if group is not None:
             nbytes = sum(sp.shard_numel for sp in group) * dtype.itemsize
             if self.shard_fence is not None:
                 self.shard_fence(group)
+            backed = [sp for sp in group if sp.backing is not None]
         send = torch.empty(head + nbytes, dtype=torch.uint8, device=self.compute_device)
         if header is not None:
             send[:head].view(torch.int64).copy_(torch.tensor(header, dtype=torch.int64))
         if group is None:
             send[head:].zero_()
-        elif group[0].shard.device.type == "cpu" and self.compute_device.type != "cpu":
-            payload = send[head:].view(dtype)  # host shards: each copied straight into place
-            offset = 0
+            return send
+        if backed:
+            backed[0].backing.bind(backed)
+        try:
+            self._copy_shards(group, send[head:].view(dtype))
+        finally:
+            if backed:
+                backed[0].backing.unbind(backed)
+        return send
+
+    def _copy_shards(self, group: list[ShardedParam], payload: torch.Tensor) -> None:
+        """The group's shards, in order, into `payload` (on the compute device)."""
+        if group[0].shard.device.type == "cpu" and self.compute_device.type != "cpu":
+            offset = 0  # host shards: each copied straight into place
             for sp in group:
                 payload[offset:offset + sp.shard_numel].copy_(sp.shard, non_blocking=True)
                 offset += sp.shard_numel
         else:
-            torch.cat([sp.shard.to(self.compute_device, non_blocking=True) for sp in group],
-                      out=send[head:].view(dtype))
-        return send
+            torch.cat([sp.shard.to(self.compute_device, non_blocking=True) for sp in group], out=payload)
 
     def _all_gather(self, send: torch.Tensor) -> torch.Tensor:
         recv = torch.empty(self.comm.world_size * send.numel(), dtype=send.dtype, device=send.device)

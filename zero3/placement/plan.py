@@ -37,6 +37,16 @@ Rules, in this order:
    NVMe, as DeepSpeed puts all of it there); the rest are on the NVMe tier: their masters
    (unless the master is the shard itself) and optimizer state live in swap files, their
    gradient shards on the host (`UnitSize.swap_bytes` is the part in files).
+5. With the parameter shards offloaded to NVMe (`params_nvme`, offload_param.device "nvme"),
+   the parameter shards left on the host stay there, whole units in forward order, while
+   their elements fit `max_in_cpu` (DeepSpeed's count of parameter elements kept in host
+   memory; a unit that does not fit goes to NVMe, a later smaller one may still fit); the
+   rest are on the NVMe tier: their shards live in swap files and are read into staging
+   buffers (`param_staging_bytes` of host memory) ahead of each gather. Each section's third
+   tier has its own host bound, in its own DeepSpeed-style unit: `max_in_cpu` (elements) for
+   parameter shards, `placement.host_budget` (bytes) for optimizer sides; neither counts the
+   other's pieces. A frozen unit on NVMe says HOST for its (absent) optimizer side.
+   A re-plan keeps the NVMe tiers as initialize made them (`nvme_units`, `nvme_param_units`).
 
 Invariant: `Plan.device_bytes <= Plan.budget` whenever a budget is given, and the host bytes
 of the optimizer sides on the host tier <= `host_budget` when one is given; `device_bytes`
@@ -56,7 +66,9 @@ GIB = 1 << 30
 class Tier(str, enum.Enum):
     DEVICE = "device"
     HOST = "host"
-    NVME = "nvme"  # optimizer sides only: stepped on the host, masters and state in swap files
+    # optimizer sides: stepped on the host, masters and state in swap files; parameter shards:
+    # in swap files, read into host staging buffers ahead of their gathers
+    NVME = "nvme"
 
 
 class PlacementError(ValueError):
@@ -71,7 +83,8 @@ class UnitSize:
     (0 for a frozen unit). `gathered_bytes`: its parameters gathered whole, while it runs.
     `grad_bytes`: its gradient shards, the part of `state_bytes` an accumulator holds.
     `swap_bytes`: the part of `state_bytes` the NVMe tier keeps in files (masters that are
-    not the shards, optimizer state); the gradient shards stay in memory."""
+    not the shards, optimizer state); the gradient shards stay in memory. `param_numel`: the
+    elements of its parameter shards (what `max_in_cpu` counts)."""
 
     name: str
     param_bytes: int
@@ -79,6 +92,7 @@ class UnitSize:
     gathered_bytes: int
     grad_bytes: int = 0
     swap_bytes: int = 0
+    param_numel: int = 0
 
     @property
     def frozen(self) -> bool:
@@ -133,6 +147,10 @@ class PlanInputs:
     host_budget: int | None = None
     nvme_units: tuple[str, ...] | None = None  # a re-plan: these stay on NVMe, no other joins
     reserve: int = 0  # device bytes the budget leaves outside the plan (activations; budget.BudgetChoice)
+    params_nvme: bool = False  # offload_param.device "nvme" (rule 5)
+    max_in_cpu: int = 0  # parameter elements the host keeps with params_nvme
+    param_staging_bytes: int = 0  # the staging buffers' host bytes with params_nvme
+    nvme_param_units: tuple[str, ...] | None = None  # a re-plan: their shards stay on NVMe, no other joins
 
 
 @dataclass(frozen=True)
@@ -146,6 +164,7 @@ class Plan:
     fixed_bytes: int
     budget_source: str = ""
     nvme_bytes: int = 0
+    nvme_param_bytes: int = 0
     working_bytes: int = 0
     reserve: int = 0
     by_name: dict[str, UnitPlacement] = field(default_factory=dict, compare=False, repr=False)
@@ -177,7 +196,8 @@ class Plan:
                 "params_on_device": sum(u.params is Tier.DEVICE for u in self.units),
                 "state_on_device": sum(u.state is Tier.DEVICE and u.trainable for u in self.units),
                 "accumulators_on_device": sum(u.accumulates_on_device for u in self.units),
-                "state_on_nvme": sum(u.state is Tier.NVME for u in self.units)}
+                "state_on_nvme": sum(u.state is Tier.NVME for u in self.units),
+                "params_on_nvme": sum(u.params is Tier.NVME for u in self.units)}
 
     def describe(self) -> str:
         """One line: the budget, what sits where, the predicted bytes."""
@@ -193,13 +213,16 @@ class Plan:
                    if self.reserve else "") + "), "
                 f"host {self.host_bytes / GIB:.2f} GiB"
                 + (f"; optimizer state of {c['state_on_nvme']}/{c['trainable']} trainable units on NVMe, "
-                   f"{self.nvme_bytes / GIB:.2f} GiB in swap files" if c["state_on_nvme"] else ""))
+                   f"{self.nvme_bytes / GIB:.2f} GiB in swap files" if c["state_on_nvme"] else "")
+                + (f"; parameter shards of {c['params_on_nvme']}/{c['units']} units on NVMe, "
+                   f"{self.nvme_param_bytes / GIB:.2f} GiB in swap files" if c["params_on_nvme"] else ""))
 
 
 def make_plan(inputs: PlanInputs) -> Plan:
     """The placement under `inputs` (the rules in the module docstring)."""
     units = inputs.units
     params = {u.name: Tier.HOST if inputs.param_offload else Tier.DEVICE for u in units}
+    params.update({name: Tier.NVME for name in inputs.nvme_param_units or ()})
     state = {u.name: Tier.HOST if inputs.state_offload else Tier.DEVICE for u in units}
     if inputs.state_offload and inputs.ratio is not None:
         state.update(_ratio_tiers(units, inputs.ratio))
@@ -214,9 +237,11 @@ def make_plan(inputs: PlanInputs) -> Plan:
             left = _fill_accumulators(units, state, accumulators, left)
         if inputs.state_offload and inputs.ratio is None:
             _fill_states(units, params, state, accumulators, left, set(inputs.nvme_units or ()))
+    if inputs.params_nvme and inputs.nvme_param_units is None:
+        _spill_params_to_nvme(units, params, inputs.max_in_cpu)
     for unit in units:
-        if unit.frozen:  # no optimizer side: say it is where the shard is
-            state[unit.name] = params[unit.name]
+        if unit.frozen:  # no optimizer side: say it is where the shard is (the host for NVMe)
+            state[unit.name] = Tier.HOST if params[unit.name] is Tier.NVME else params[unit.name]
     if inputs.nvme_units is not None:
         state.update({name: Tier.NVME for name in inputs.nvme_units})
     elif inputs.state_nvme:
@@ -236,6 +261,18 @@ def _spill_to_nvme(units: tuple[UnitSize, ...], state: dict[str, Tier], host_bud
             state[unit.name] = Tier.NVME
 
 
+def _spill_params_to_nvme(units: tuple[UnitSize, ...], params: dict[str, Tier], max_in_cpu: int) -> None:
+    """Rule 5: host parameter shards kept in forward order while their elements fit, the rest to NVMe."""
+    left = max_in_cpu
+    for unit in units:
+        if params[unit.name] is not Tier.HOST:
+            continue
+        if unit.param_numel <= left:
+            left -= unit.param_numel
+        else:
+            params[unit.name] = Tier.NVME
+
+
 def _host_and_nvme_bytes(units: tuple[UnitSize, ...], params: dict[str, Tier],
                          state: dict[str, Tier]) -> tuple[int, int]:
     """Host bytes (NVMe units' gradient shards among them) and bytes in swap files."""
@@ -248,7 +285,8 @@ def widened(current: Plan, proposed: Plan, inputs: PlanInputs) -> Plan:
     """`current` with every piece `proposed` puts on the device brought there too, and
     nothing taken off it (what sits on the device never moves back); bytes recounted, under
     `inputs.budget` as its budget."""
-    params = {u.name: Tier.DEVICE if Tier.DEVICE in (u.params, proposed.params_tier(u.name)) else Tier.HOST
+    params = {u.name: u.params if u.params is Tier.NVME  # fixed at initialize too
+              else Tier.DEVICE if Tier.DEVICE in (u.params, proposed.params_tier(u.name)) else Tier.HOST
               for u in current.units}
     state = {u.name: u.state if u.state is Tier.NVME  # the NVMe tier is fixed at initialize
              else Tier.DEVICE if Tier.DEVICE in (u.state, proposed.state_tier(u.name)) else Tier.HOST
@@ -267,8 +305,11 @@ def _counted(inputs: PlanInputs, params: dict[str, Tier], state: dict[str, Tier]
     held = sum(u.grad_bytes for u, p in zip(units, placed) if p.accumulates_on_device)
     device = inputs.resident_bytes + inputs.working_bytes + _bytes_on(units, params, state, Tier.DEVICE) + held
     host, nvme = _host_and_nvme_bytes(units, params, state)
-    return Plan(placed, inputs.budget, device, host, fixed, inputs.budget_source, nvme, inputs.working_bytes,
-                inputs.reserve)
+    nvme_params = sum(u.param_bytes for u in units if params[u.name] is Tier.NVME)
+    if nvme_params:
+        host += inputs.param_staging_bytes
+    return Plan(placed, inputs.budget, device, host, fixed, inputs.budget_source, nvme, nvme_params,
+                inputs.working_bytes, inputs.reserve)
 
 
 def _ratio_tiers(units: tuple[UnitSize, ...], ratio: float) -> dict[str, Tier]:

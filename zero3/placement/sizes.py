@@ -10,12 +10,17 @@ engine will make.
   master is lifted to fp32 for the step) and the optimizer's state tensors in the state
   dtype (4 each, 2 with bf16_optimizer_states): 16 bytes a parameter in all with bf16
   compute and fp32 masters, 8 with both bf16 keys;
+- with offload_param.device "nvme": the staging buffers, `buffer_count` of them, each
+  `buffer_size` elements of the compute dtype, at most the largest unit's shards (the pool
+  is cut to what a swap group can hold), in host memory;
 - the working set: gathered units (at most stage3_max_live_parameters elements, at least
   the two largest units: one running, one prefetched) and two gradient buckets (one being
   filled, one being reduced) in the reduce dtype.
 """
 
 from __future__ import annotations
+
+from zero3.config import OffloadConfig
 
 FP32 = 4
 
@@ -36,3 +41,11 @@ def working_set_bytes(unit_numels: list[int], sharded_numel: int, max_live_numel
     live = min(sharded_numel, max(max_live_numel, 2 * largest))
     buckets = 2 * min(reduce_bucket_numel, trainable_padded_numel) * reduce_width
     return live * width + buckets
+
+
+def param_staging_bytes(offload: OffloadConfig, width: int, unit_param_bytes: list[int]) -> int:
+    """Host bytes of the NVMe tier's staging buffers for parameter shards (0 without the
+    tier); `unit_param_bytes`: each unit's shard bytes on this rank."""
+    if not offload.nvme:
+        return 0
+    return offload.buffer_count * min(offload.buffer_size * width, max(unit_param_bytes, default=0))

@@ -1,5 +1,5 @@
 """`deepspeed.runtime.swap_tensor`: the names scripts and tests import from DeepSpeed's NVMe
-swapping. zero3's own NVMe tier (optimizer state only: zero3/nvme/, optim/nvme_state.py)
+swapping. zero3's own NVMe tiers (zero3/nvme/; optimizer state: optim/nvme_state.py, parameter shards: params/nvme_shards.py)
 has nothing of DeepSpeed's swapper classes; the sizes are here so that code sizing its
 tensors by them (`MIN_SWAPPABLE_BYTES`) runs unchanged.
 

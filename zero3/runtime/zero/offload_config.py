@@ -4,7 +4,7 @@ from enum import Enum
 
 
 class OffloadDeviceEnum(str, Enum):
-    """Where `offload_param` / `offload_optimizer` put their tensors ("nvme": the optimizer state only)."""
+    """Where `offload_param` / `offload_optimizer` put their tensors ("nvme": swap files past the host's share)."""
 
     none = "none"
     cpu = "cpu"
