@@ -41,3 +41,10 @@ def test_without_cuda_the_helpers_make_plain_host_tensors():
     assert pinned_zeros(5, torch.bfloat16).eq(0).all() and pinned_empty(4, torch.float32).numel() == 4
     if not torch.cuda.is_available():
         assert registered_bytes() == 0
+
+
+def test_a_device_context_does_not_move_the_host_buffers():
+    with torch.device("meta"):  # models are built under torch.device("cuda") contexts
+        assert pinned_empty(3, torch.bfloat16).device.type == "cpu"
+        assert pinned_zeros(3, torch.float32).device.type == "cpu"
+        assert pinned_copy(torch.ones(2, device="cpu")).device.type == "cpu"

@@ -43,18 +43,18 @@ def pinned_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised pinned host tensor of `numel` elements (zeros when the exact path is
     taken: fresh anonymous pages). Not pinned where CUDA is absent."""
     if not torch.cuda.is_available():
-        return torch.empty(numel, dtype=dtype)
-    nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+        return torch.empty(numel, dtype=dtype, device="cpu")
+    nbytes = numel * dtype.itemsize
     if nbytes >= EXACT_MIN_BYTES:
         exact = _registered_tensor(nbytes)
         if exact is not None:
             return exact.view(dtype)[:numel]
-    return torch.empty(numel, dtype=dtype, pin_memory=True)
+    return torch.empty(numel, dtype=dtype, device="cpu", pin_memory=True)  # explicit: a torch.device context may say cuda
 
 
 def pinned_zeros(numel: int, dtype: torch.dtype) -> torch.Tensor:
     if not torch.cuda.is_available():
-        return torch.zeros(numel, dtype=dtype)
+        return torch.zeros(numel, dtype=dtype, device="cpu")
     tensor = pinned_empty(numel, dtype)
     return tensor if registered_block_of(tensor) else tensor.zero_()
 
