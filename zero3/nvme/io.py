@@ -20,6 +20,7 @@ is done; this object owns its threads and the backend's descriptors.
 from __future__ import annotations
 
 import errno as errno_codes
+import os
 import shutil
 import threading
 from collections import deque
@@ -67,6 +68,7 @@ class SwapIO:
         self._lock = threading.Lock()
         self.bytes_read = 0
         self.bytes_written = 0
+        self._allocated: dict[Path, int] = {}  # bytes allocated per file (`_allocate`); the request thread's
 
     def read(self, path: Path, buffer: torch.Tensor, offset: int = 0) -> Future:
         """Fill `buffer` (uint8, contiguous) from `path` at `offset`."""
@@ -79,6 +81,8 @@ class SwapIO:
     def _request(self, op: str, path: Path, buffer: torch.Tensor, offset: int) -> None:
         call = self.files.pread if op == "read" else self.files.pwrite
         size, block = buffer.numel(), self.settings.block_size
+        if op == "write":
+            self._allocate(path, offset + size)
         chunks = [(start, min(block, size - start)) for start in range(0, size, block)]
 
         def one(start: int, length: int) -> None:
@@ -94,6 +98,27 @@ class SwapIO:
                 one(start, length)
             return
         self._windowed(chunks, one)
+
+    def _allocate(self, path: Path, end: int) -> None:
+        """The file's blocks up to `end`, allocated before the write (posix_fallocate, once
+        per file and size). Direct writes past a file's end extend it, and file systems run
+        those one at a time; into allocated blocks they run side by side, at the drive's
+        speed (measured: 15% of the drive's write bandwidth without, bench/results_*nvme*).
+        A full disk fails here, before any byte of the group is written."""
+        if self._allocated.get(path, 0) >= end:
+            return
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, end)
+            except OSError as exc:
+                if exc.errno not in (errno_codes.EOPNOTSUPP, errno_codes.EINVAL):
+                    raise
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            raise SwapIOError(exc.errno, _failure("write", path, 0, end, exc, self.advice)) from exc
+        self._allocated[path] = end
 
     def _windowed(self, chunks: list[tuple[int, int]], one: Callable[[int, int], None]) -> None:
         """At most queue_depth calls in flight: a sliding window (overlap_events) or lockstep."""
