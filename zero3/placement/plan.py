@@ -367,20 +367,32 @@ def _spread_host(group: list[UnitSize], left: int) -> list[UnitSize]:
     the rest fit, then any host unit that still fits, in forward order. Spread host units
     let each one's copy to the device overlap the compute of the device units before it;
     a run of host units in a row would wait on the bus one after another."""
-    if sum(u.param_bytes for u in group) <= left:
+    total = sum(u.param_bytes for u in group)
+    if total <= left:
         return list(group)
     n = len(group)
-    for h in range(1, n + 1):
-        host = {int((i + 0.5) * n / h) for i in range(h)}
-        chosen = [u for i, u in enumerate(group) if i not in host]
-        spent = sum(u.param_bytes for u in chosen)
-        if spent <= left:
-            for i in sorted(host):
-                if group[i].param_bytes <= left - spent:
-                    chosen.append(group[i])
-                    spent += group[i].param_bytes
-            return chosen
-    return []
+
+    def host_slots(h: int) -> list[int]:
+        return sorted({int((i + 0.5) * n / h) for i in range(h)})
+
+    def fits(h: int) -> bool:
+        return total - sum(group[i].param_bytes for i in host_slots(h)) <= left
+
+    low, high = 1, n  # the fewest host units that fit (bisected: sizes alike, more host units free more)
+    while low < high:
+        middle = (low + high) // 2
+        low, high = (low, middle) if fits(middle) else (middle + 1, high)
+    while not fits(low):  # units of unlike sizes: step on until it fits (h = n always does)
+        low += 1
+    host = host_slots(low)
+    on_host = set(host)
+    chosen = [u for i, u in enumerate(group) if i not in on_host]
+    spent = total - sum(group[i].param_bytes for i in host)
+    for i in host:
+        if group[i].param_bytes <= left - spent:
+            chosen.append(group[i])
+            spent += group[i].param_bytes
+    return chosen
 
 
 def _fill_accumulators(units: tuple[UnitSize, ...], state: dict[str, Tier], accumulators: set[str],
