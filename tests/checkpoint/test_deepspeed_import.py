@@ -431,8 +431,10 @@ def test_padding_never_read(name: str):
     source.close()
 
 
-def test_deepspeed_nvme_save_read_from_its_swap_files(tmp_path: Path):
-    """The fixture DeepSpeed 0.19.8 saved with offload_optimizer "nvme" (async_io): the wide
+@pytest.mark.parametrize("name", [NVME_FIXTURE, "wide_fp32_w2_nvme_param"])
+def test_deepspeed_nvme_save_read_from_its_swap_files(name: str, tmp_path: Path):
+    """The fixtures DeepSpeed 0.19.8 saved with offload_optimizer "nvme" (async_io; the second
+    with offload_param "nvme" as well, whose parameter swap files a save does not copy): the wide
     weight's sub-group is empty in both optimizer files, its master and moments only in the
     swap files under offloaded_tensors/; the small sub-group stayed in memory. Read offline,
     every master and moment equals DeepSpeed's recorded values; one changed byte of a swap
@@ -440,7 +442,7 @@ def test_deepspeed_nvme_save_read_from_its_swap_files(tmp_path: Path):
     from zero3.checkpoint.deepspeed.layout import DeepSpeedCheckpoint
     from zero3.checkpoint.deepspeed.unpickle import load_deepspeed_file
 
-    root = FIXTURES / NVME_FIXTURE / "ckpt"
+    root = FIXTURES / name / "ckpt"
     tag = root / "global_step2"
     for rank in range(2):
         optim = load_deepspeed_file(tag / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")["optimizer_state_dict"]
@@ -450,11 +452,11 @@ def test_deepspeed_nvme_save_read_from_its_swap_files(tmp_path: Path):
         assert names == ["0_0.tensor.swp", "exp_avg-0_0.tensor.swp", "exp_avg_sq-0_0.tensor.swp"]
 
     def mismatches(folder: Path) -> list[str]:
-        expected, source = _expected(NVME_FIXTURE), DeepSpeedCheckpoint.open(folder)
+        expected, source = _expected(name), DeepSpeedCheckpoint.open(folder)
         wrong = []
-        for name, slot in source.slots.items():
-            for kind, key in [("master", f"fp32/{name}")] + [(f"optim/{name}/{k}", f"{k}/{name}") for k in STATE_KEYS]:
-                got = source.read_range(f"master/{name}" if kind == "master" else kind, slot.numel, 0, slot.numel)
+        for param, slot in source.slots.items():
+            for kind, key in [("master", f"fp32/{param}")] + [(f"optim/{param}/{k}", f"{k}/{param}") for k in STATE_KEYS]:
+                got = source.read_range(f"master/{param}" if kind == "master" else kind, slot.numel, 0, slot.numel)
                 if key in expected["sha256"]:
                     same = _sha256(got) == expected["sha256"][key]
                 else:
@@ -465,7 +467,7 @@ def test_deepspeed_nvme_save_read_from_its_swap_files(tmp_path: Path):
         return wrong
 
     assert mismatches(root) == []
-    changed = _copy(NVME_FIXTURE, tmp_path)
+    changed = _copy(name, tmp_path)
     swap = changed / "global_step2" / "offloaded_tensors" / "rank01" / "exp_avg_sq-0_0.tensor.swp"
     data = bytearray(swap.read_bytes())
     data[4 * 1000 + 3] ^= 0x01
