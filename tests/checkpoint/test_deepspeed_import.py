@@ -455,7 +455,8 @@ def test_deepspeed_nvme_save_read_from_its_swap_files(name: str, tmp_path: Path)
         expected, source = _expected(name), DeepSpeedCheckpoint.open(folder)
         wrong = []
         for param, slot in source.slots.items():
-            for kind, key in [("master", f"fp32/{param}")] + [(f"optim/{param}/{k}", f"{k}/{param}") for k in STATE_KEYS]:
+            kinds = [("master", f"fp32/{param}")] + [(f"optim/{param}/{k}", f"{k}/{param}") for k in STATE_KEYS]
+            for kind, key in kinds:
                 got = source.read_range(f"master/{param}" if kind == "master" else kind, slot.numel, 0, slot.numel)
                 if key in expected["sha256"]:
                     same = _sha256(got) == expected["sha256"][key]
