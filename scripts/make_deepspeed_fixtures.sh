@@ -29,6 +29,13 @@
 # (tests/hf/test_hf_trainer_export.py). `python tests/fixtures/deepspeed/hf_trainer_export.py`
 # (zero3's Python) rewrites the zero3 checkpoint first, when wanted.
 #
+# wide_fp32_w2_nvme is saved with offload_optimizer "nvme": DeepSpeed's async_io op is JIT-built
+# (ninja, g++) against libaio. Where the system has no libaio headers, the Debian packages are
+# fetched with `apt-get download` (no root, nothing installed) and unpacked with `dpkg -x` into
+# $LIBAIO_PREFIX (default /tmp/libaio); CPATH, LIBRARY_PATH, LD_LIBRARY_PATH, CFLAGS and LDFLAGS
+# point DeepSpeed's compatibility check, its build and the loaded op at it. A prefix holding
+# usr/include/libaio.h is used as it is.
+#
 # DS_BUILD_OPS=0: no C++/CUDA op is compiled at install time (on CPU, DeepSpeed builds its
 # shared-memory comm op with ninja the first time it runs, into ~/.cache/torch_extensions).
 set -euo pipefail
@@ -49,6 +56,26 @@ if ! "$VENV/bin/python" -c "import deepspeed, transformers, peft" 2>/dev/null; t
     DS_BUILD_OPS=0 $PIP install --no-build-isolation "deepspeed==0.19.8"
     $PIP install "transformers==5.19.0" "peft==0.21.2" "accelerate==1.16.0"
 fi
+
+libaio_env() {
+    if [ -f /usr/include/libaio.h ]; then
+        return 0
+    fi
+    local prefix="${LIBAIO_PREFIX:-/tmp/libaio}"
+    if [ ! -f "$prefix/usr/include/libaio.h" ]; then
+        local debs
+        debs="$(mktemp -d)"
+        (cd "$debs" && apt-get download libaio-dev "$(apt-cache depends libaio-dev | sed -n 's/ *Depends: //p' | head -1)")
+        for deb in "$debs"/*.deb; do dpkg -x "$deb" "$prefix"; done
+        rm -rf "$debs"
+    fi
+    local lib
+    lib="$(dirname "$(find "$prefix/usr/lib" -name 'libaio.so*' | head -1)")"
+    export CPATH="$prefix/usr/include${CPATH:+:$CPATH}"
+    export LIBRARY_PATH="$lib${LIBRARY_PATH:+:$LIBRARY_PATH}"
+    export LD_LIBRARY_PATH="$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    export CFLAGS="-I$prefix/usr/include ${CFLAGS:-}" LDFLAGS="-L$lib ${LDFLAGS:-}"
+}
 
 cd "$ROOT"
 if [ "${1:-}" = "--check-export" ]; then
@@ -85,5 +112,6 @@ if [ "${1:-}" = "--check-trainer-export" ]; then
         "$ZPY" -m pytest -q -p no:cacheprovider tests/hf/test_hf_trainer_export.py
     exit $?
 fi
+libaio_env
 DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 PYTHONWARNINGS=ignore HF_HUB_OFFLINE=1 \
     "$VENV/bin/python" tests/fixtures/deepspeed/generate.py "$@"
