@@ -15,6 +15,8 @@ import threading
 
 import torch
 
+from zero3.platform.pinned import pinned_empty
+
 ALIGN = 4096
 
 
@@ -23,9 +25,16 @@ def aligned_bytes(nbytes: int) -> int:
 
 
 def aligned_empty(nbytes: int, pin: bool = False) -> torch.Tensor:
-    """A uint8 tensor of `nbytes` (rounded up to 4096) whose first byte is 4096-aligned."""
+    """A uint8 tensor of `nbytes` (rounded up to 4096) whose first byte is 4096-aligned.
+    Pinned ones come from platform/pinned.py, page-aligned at their exact size where it can
+    (torch's pinned allocator would round 256 MiB and the alignment slack up to 512 MiB)."""
     size = aligned_bytes(nbytes)
-    raw = torch.empty(size + ALIGN, dtype=torch.uint8, pin_memory=pin and torch.cuda.is_available())
+    pin = pin and torch.cuda.is_available()
+    if pin:
+        exact = pinned_empty(size, torch.uint8)
+        if exact.data_ptr() % ALIGN == 0:
+            return exact
+    raw = torch.empty(size + ALIGN, dtype=torch.uint8, device="cpu", pin_memory=pin)
     start = (-raw.data_ptr()) % ALIGN
     return raw[start:start + size]
 

@@ -68,7 +68,7 @@ class SwapIO:
         self._lock = threading.Lock()
         self.bytes_read = 0
         self.bytes_written = 0
-        self._allocated: dict[Path, int] = {}  # bytes allocated per file (`_allocate`); the request thread's
+        self._allocated: dict[Path, int] = {}  # bytes allocated per file (`_allocate`), by the request thread only
 
     def read(self, path: Path, buffer: torch.Tensor, offset: int = 0) -> Future:
         """Fill `buffer` (uint8, contiguous) from `path` at `offset`."""
