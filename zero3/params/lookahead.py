@@ -143,10 +143,11 @@ class LookAhead:
 
     def _worth_prefetching(self, fresh: list[ShardedParam]) -> bool:
         """Across ranks every gather is worth starting early. At world size 1 only a host
-        shard's copy to the device is: a unit whose shards all sit on the device is passed
-        over (gathered where it is used, a local copy), so the look-ahead reaches the next
-        host unit and its copy overlaps the compute of the device units before it."""
-        return self.comm.active or any(sp.shard.device.type == "cpu" for sp in fresh)
+        shard's copy to the device is (a shard in a swap file counts as one on the host): a
+        unit whose shards all sit on the device is passed over (gathered where it is used, a
+        local copy), so the look-ahead reaches the next host unit and its copy overlaps the
+        compute of the device units before it."""
+        return self.comm.active or any(sp.backing is not None or sp.shard.device.type == "cpu" for sp in fresh)
 
     def _issue(self, unit: FetchUnit, group: list[ShardedParam]) -> None:
         def landed() -> None:
