@@ -9,6 +9,7 @@ appends it to --rows):
     python3 bench/nvme_bench.py swap  --dir /nvme --gib 8          # zero3's SwapIO + pager
     python3 bench/nvme_bench.py train --dir /nvme --tier host      # offload_optimizer "cpu"
     python3 bench/nvme_bench.py train --dir /nvme --tier nvme --host-share 0.5
+    python3 bench/nvme_bench.py largest --dir /nvme --tier nvme    # the largest that fits, trained
     python3 bench/nvme_bench.py table --rows rows.jsonl            # the ratios
 
 - `disk`: a file of --gib GiB written then read with O_DIRECT in --chunk-mib chunks from
@@ -23,6 +24,14 @@ appends it to --rows):
   the share `1 - --host-share` of it in swap files under --dir (placement.host_budget from
   the plan's host bytes). Reports the median step, the time the step waited on swap reads and
   writes, the bytes per step, and the placement line.
+- `largest`: the largest GPT of --width (4096: a 7B-class shape) whose full fine-tune fits this
+  machine with --tier's state placement, found by zero3's own planner (`zero3 estimate`'s)
+  layer count by layer count: the GPU under --gpu-budget-gib, the host under its available
+  memory less --host-margin-gib (what the plan does not count: the CUDA context, staging
+  buffers, the allocator's slack; measured about 20 GiB at 6.7B), and for `nvme` the swap
+  files under the free space at --dir less --disk-margin-gib. That model is then built (bf16,
+  on the GPU) and trained --warmup + --steps steps; the row says the size, the plan, the
+  step time, the host memory and swap bytes, and why one layer more does not fit.
 The CPU run of every case is what the test of this script does (tiny sizes, tests/ none):
 `python3 bench/nvme_bench.py train --device cpu --width 64 --layers 2 --steps 2 ...`.
 """
@@ -51,7 +60,7 @@ MIB = 1 << 20
 
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("case", choices=["disk", "swap", "train", "table"])
+    p.add_argument("case", choices=["disk", "swap", "train", "largest", "table"])
     p.add_argument("--dir", default=None, help="a folder on the drive measured (default: a temporary one)")
     p.add_argument("--gib", type=float, default=8.0)
     p.add_argument("--chunk-mib", type=int, default=64)
@@ -75,6 +84,11 @@ def parse() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--rows", default=None)
+    p.add_argument("--host-margin-gib", type=float, default=24.0, help="largest: host memory the plan does not count")
+    p.add_argument("--host-gib", type=float, default=None,
+                   help="largest: the host memory to plan for (default: available less --host-margin-gib)")
+    p.add_argument("--disk-margin-gib", type=float, default=4.0, help="largest: free disk left over")
+    p.add_argument("--max-layers", type=int, default=160, help="largest: the search's upper end")
     return p.parse_args()
 
 
@@ -203,15 +217,23 @@ def host_bytes_of_state(args: argparse.Namespace, model) -> int:
     return plan.host_bytes
 
 
-def train_case(args: argparse.Namespace, folder: Path) -> dict:
+def train_case(args: argparse.Namespace, folder: Path, host_budget: int | None = None,
+               dtype: torch.dtype = torch.float32) -> dict:
+    """`host_budget`: the NVMe tier's host budget (default: --host-share of the host tier's)."""
     import zero3
     from models import GPT
 
     torch.manual_seed(0)
-    with torch.device(args.device):  # random initialisation on the GPU: seconds, not minutes
-        model = GPT(vocab=args.vocab, width=args.width, layers=args.layers, seq=args.seq + 1)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # made in `dtype`: a 12B model in fp32 would not fit beside its bf16 copy
+    try:
+        with torch.device(args.device):  # random initialisation on the GPU: seconds, not minutes
+            model = GPT(vocab=args.vocab, width=args.width, layers=args.layers, seq=args.seq + 1)
+    finally:
+        torch.set_default_dtype(default)
     zero3.set_z3_leaf_modules(model, [type(model.h[0])])  # a block, one fetch unit
-    host_budget = int(host_bytes_of_state(args, model) * args.host_share) if args.tier == "nvme" else None
+    if args.tier == "nvme" and host_budget is None:
+        host_budget = int(host_bytes_of_state(args, model) * args.host_share)
     engine, *_ = zero3.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4),
                                   config=train_config(args, folder, host_budget))
     tokens = torch.randint(0, args.vocab, (args.micro_batch, args.seq + 1), device=engine.device)
@@ -228,6 +250,66 @@ def train_case(args: argparse.Namespace, folder: Path) -> dict:
            "host_rss_gib": _rss_gib()}
     engine.destroy()
     return row
+
+
+def largest_case(args: argparse.Namespace, folder: Path) -> dict:
+    """The largest --width GPT whose plan fits this machine with --tier, then trained."""
+    import shutil
+
+    host_gib = args.host_gib if args.host_gib is not None else _available_host_gib() - args.host_margin_gib
+    if host_gib <= 0:
+        raise SystemExit(f"largest: {host_gib:.1f} GiB of host memory to plan for; lower --host-margin-gib")
+    host = int(host_gib * GIB)
+    disk = int(shutil.disk_usage(folder).free - args.disk_margin_gib * GIB) if args.tier == "nvme" else 0
+    fits, refusal, host_budget = None, None, None
+    for layers in range(1, args.max_layers + 1):
+        trial = argparse.Namespace(**{**vars(args), "layers": layers})
+        verdict = _fits(trial, folder, host, disk)
+        if verdict is not None:
+            refusal = f"{layers} layers: {verdict}"
+            break
+        fits, host_budget = layers, trial.host_budget
+    if fits is None:
+        return {"case": f"largest_{args.tier}", "failed": refusal}
+    args.layers = fits
+    row = train_case(args, folder, host_budget=host_budget, dtype=torch.bfloat16)
+    row.update(case=f"largest_{args.tier}", layers=fits, next_refused=refusal, host_capacity_gib=host / GIB,
+               host_budget_gib=None if host_budget is None else host_budget / GIB,
+               disk_capacity_gib=disk / GIB, free_disk_gib_after=shutil.disk_usage(folder).free / GIB)
+    return row
+
+
+def _fits(args: argparse.Namespace, folder: Path, host: int, disk: int) -> str | None:
+    """None when the plan of `args`' model fits; else why not."""
+    from models import GPT
+    from zero3.estimate import estimate_placement
+    from zero3.placement.plan import PlacementError
+
+    with torch.device("meta"):
+        model = GPT(vocab=args.vocab, width=args.width, layers=args.layers, seq=args.seq + 1)
+    host_budget = host if args.tier == "nvme" else None
+    for _ in range(40):  # host_budget bounds the optimizer sides alone: lowered by what else the host holds
+        config = train_config(args, folder, host_budget)
+        try:
+            plan = estimate_placement(model, 1, config, config["placement"].get("gpu_budget")).plan
+        except PlacementError as exc:
+            return str(exc)
+        if host_budget is None or plan.host_bytes <= host or host_budget <= 0:
+            break
+        host_budget = max(0, host_budget - (plan.host_bytes - host) - GIB // 2)
+    args.host_budget = host_budget
+    if plan.host_bytes > host:
+        return f"host {plan.host_bytes / GIB:.1f} GiB planned, {host / GIB:.1f} GiB available"
+    if plan.nvme_bytes > disk:
+        return f"NVMe {plan.nvme_bytes / GIB:.1f} GiB planned, {disk / GIB:.1f} GiB free"
+    return None
+
+
+def _available_host_gib() -> float:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024 / GIB
+    raise RuntimeError("largest: /proc/meminfo has no MemAvailable line")
 
 
 def _train(engine, tokens: torch.Tensor, steps: int) -> tuple[list[float], list[float]]:
@@ -274,6 +356,16 @@ def table(rows_path: str) -> None:
               f"{nvme['swap_wait_s_per_step']} s on swap I/O, moving {nvme['swap_gib_per_step']:.2f} GiB a step")
 
 
+    for tier in ("host", "nvme"):
+        row = by.get(f"largest_{tier}")
+        if row and "failed" in row:
+            print(f"largest, {tier} tier: nothing fits ({row['failed']})")
+        elif row:
+            print(f"largest, {tier} tier: {row['params_b']:.2f}B params ({row['layers']} layers) trained at "
+                  f"{row['step_s']:.1f} s/step, host RSS {row['host_rss_gib']:.0f} GiB of {row['host_capacity_gib']:.0f} "
+                  f"planned, swap {row['swap_gib_per_step']:.1f} GiB a step; one more layer: {row['next_refused']}")
+
+
 def main() -> None:
     args = parse()
     if args.case == "table":
@@ -281,7 +373,7 @@ def main() -> None:
         return
     base = Path(args.dir) if args.dir else Path(tempfile.gettempdir())
     with tempfile.TemporaryDirectory(dir=base, prefix="zero3_nvme_bench_") as scratch:
-        case = {"disk": disk_case, "swap": swap_case, "train": train_case}[args.case]
+        case = {"disk": disk_case, "swap": swap_case, "train": train_case, "largest": largest_case}[args.case]
         emit(args, case(args, Path(scratch)))
 
 

@@ -6,7 +6,9 @@
 #             the same 8 GiB, with its ratio to the disk (target >= 80%)
 #   3. train  a 2.9B GPT (width 3072, 24 blocks, seq 1024, micro-batch 4, bf16) full fine-tune,
 #             both offloads on: the optimizer state on the host, then half of it on NVMe
-#   then the table of ratios.
+#   4. largest (LARGEST=1) the largest 4096-wide GPT the planner fits on this machine with the
+#             optimizer state on the host, then with NVMe beside it, each trained 2 steps
+#   then the table of ratios. TRAIN=0 skips 3.
 # NVME_DIR: a folder on the drive to measure (default: a folder under /tmp, i.e. the disk /tmp
 # is on). KvikIO: carry kvikio_cu13, libkvikio_cu13 and rapids_logger wheels in .whl/
 # (pip download --no-deps kvikio-cu13==26.10.0 libkvikio-cu13==26.10.0 rapids-logger==0.3.0);
@@ -28,10 +30,17 @@ timeout 120 python3 bench/nvme_bench.py disk $io --chunk-mib 64 --rows "$rows" 2
 timeout 120 python3 bench/nvme_bench.py swap $io --group-mib 256 --block-mib ${BLOCK_MIB:-8} --queue-depth 8 \
     --buffers 4 --rows "$rows" 2>&1 | tee "$out/nvme_swap.log"
 model="--width ${WIDTH:-3072} --layers ${LAYERS:-24} --seq 1024 --micro-batch 4 --steps ${STEPS:-4} --warmup 1"
-for tier in host nvme; do
+for tier in $([ "${TRAIN:-1}" = 1 ] && echo host nvme); do
     timeout ${TRAIN_TIMEOUT:-200} python3 bench/nvme_bench.py train $model --tier $tier --host-share 0.5 \
         --dir "$dir" --threads ${THREADS:-8} --block-mib ${BLOCK_MIB:-8} --rows "$rows" 2>&1 \
         | grep -v Warning | tail -5 | tee "$out/nvme_train_$tier.log"
+done
+for tier in $([ "${LARGEST:-0}" = 1 ] && echo host nvme); do
+    timeout ${LARGEST_TIMEOUT:-280} python3 bench/nvme_bench.py largest --tier $tier --width 4096 --seq 1024 \
+        --micro-batch 1 --steps 1 --warmup 1 --gpu-budget-gib ${LARGEST_GPU_GIB:-64} --dir "$dir" \
+        --threads ${THREADS:-8} --block-mib ${BLOCK_MIB:-8} --rows "$rows" 2>&1 | grep -v Warning | tail -5 \
+        | tee "$out/nvme_largest_$tier.log"
+    free -g | head -2
 done
 python3 bench/nvme_bench.py table --rows "$rows" | tee "$out/nvme_table.log"
 rm -rf "$dir"

@@ -126,7 +126,8 @@ class Engine(EngineSurface, nn.Module):
                                                        self.placement, self.fetcher, self.reducer, background)
         self.lr_scheduler = build.resolve_scheduler(config, lr_scheduler, self.optimizer)
         self.placement_watch = placement_parts.MeasuredPlacement(placement_parts.PlacementOwners(
-            config, self.table, self.units, self.placement, self.optimizer, self.reducer.sink, client_optimizer),
+            config, self.table, self.units, self.placement, self.optimizer, self.reducer.sink, client_optimizer,
+            self.comm),
             budget_choice, self.comm.rank)  # moves what fits to the device after a measured first window
         self.compiled_units = CompiledUnits(self.units, lambda: self.fetcher.root_forwards)
         for request in compile_requests:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from common import make_model, optimizer_tensors, train_windows, two_param_groups
+from common import make_batches, make_model, optimizer_tensors, train_windows, two_param_groups
 from harness import run_ranks
 
 MICRO = 4
@@ -171,3 +171,87 @@ def test_placement_under_a_budget_trains_moves_and_resumes_exactly(tmp_path, wor
         assert "budget" in r["too_small"] and "gathered" in r["too_small"] and "GiB" in r["too_small"]
         assert r["zero3_error_class"]
         assert r["estimate_is_the_engine_plan"], (r["estimate_plan"], r["engine_plan"])
+
+
+def realias_run(rank: int, world: int, dtype_name: str):
+    """World size 1: a plan that takes aliased parameters off the device tier makes them
+    copies again (released between uses); one that brings them back aliases them again."""
+    import zero3
+
+    dtype = getattr(torch, dtype_name)
+
+    def built(budget, offload: bool = True):
+        model = make_model().to(dtype)  # block 1 frozen
+        engine, *_ = zero3.initialize(model=model, optimizer=torch.optim.AdamW(two_param_groups(model)),
+                                      config=config_for(budget, offload))
+        return engine
+
+    def train_to(engine, first: int, last: int) -> list[float]:
+        batches, losses = make_batches(STEPS * GA, MICRO), []
+        for step in range(first, last):
+            for index in range(GA):
+                x, y = batches[step * GA + index]
+                loss = engine(x.to(dtype), y.to(dtype))
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.item())
+        return losses
+
+    def view(engine) -> dict:
+        sps = list(engine.table.values())
+        master = {id(sp): m for sp, m in zip(engine.optimizer.params, engine.optimizer.masters)}
+        return {
+            "aliased": sorted(sp.name for sp in sps if sp.aliased),
+            "on_device": sorted(sp.name for sp in sps if engine.placement.params_tier(sp).value == "device"
+                                and engine.placement.state_tier(sp).value == "device"),
+            "master_is_shard": sorted(sp.name for sp in sps if master.get(id(sp)) is sp.shard),
+            "views": all(sp.shard.data_ptr() == sp.param.data_ptr() for sp in sps if sp.aliased),
+            "released": sorted(sp.name for sp in sps if sp.state.value == "sharded"),
+            "fetch": sorted(sp.name for unit in engine.units for sp in unit.fetch_list()),
+            "persistent": sorted(sp.name for sp in sps if sp.persistent),
+            "small": sorted(sp.name for sp in sps if sp.numel <= 30),  # the config's persistence threshold
+            "frozen": sorted(sp.name for sp in sps if not sp.requires_grad),
+        }
+
+    reference = built(None, offload=False)
+    expected_losses = train_to(reference, 0, STEPS)
+    expected = final_state(reference)
+    everything = built(1 << 40)
+    fixed, whole = everything.placement.plan.fixed_bytes, everything.placement.plan.device_bytes
+    engine = built(fixed + (whole - fixed) // 2)
+    views = {"part": view(engine)}
+    losses = train_to(engine, 0, 1)
+    engine.set_gpu_budget(fixed)
+    views["host"] = view(engine)
+    losses += train_to(engine, 1, 2)
+    engine.set_gpu_budget(whole)
+    views["whole"] = view(engine)
+    losses += train_to(engine, 2, STEPS)
+    return {"expected_losses": expected_losses, "losses": losses, "differ": _equal(expected, final_state(engine)),
+            "views": views, "reference": view(reference)}
+
+
+@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
+def test_world_one_new_plans_alias_what_they_keep_on_the_device(dtype_name):
+    [r] = run_ranks(realias_run, 1, dtype_name, timeout=300)
+    views = r["views"]
+    assert r["losses"] == r["expected_losses"] and r["differ"] == [], (r["losses"], r["differ"])
+    # At initialize, what the budget keeps on the device is aliased (before the masters exist).
+    part = views["part"]
+    assert part["aliased"] == part["on_device"] and part["aliased"] and part["views"], part
+    # All to the host: every alias undone, those parameters released and fetched again (and
+    # the plan charges an aliased parameter once: the budget of nothing on the device holds).
+    host = views["host"]
+    left = set(part["aliased"]) - set(host["on_device"])
+    assert host["aliased"] == host["on_device"] == [], host
+    assert left - set(host["small"]) and left - set(host["small"]) <= set(host["released"]) & set(host["fetch"]), host
+    assert host["persistent"] == sorted(set(host["small"]) | set(host["aliased"])), host  # the config's, and aliased
+    # All back: aliased again, none fetched. An fp32 master that is its shard moves onto the
+    # parameter's storage with it (one copy of the bytes); 16-bit shards keep fp32 masters apart.
+    whole = views["whole"]
+    assert whole["aliased"] == whole["on_device"] and whole["views"] and whole["fetch"] == [], whole
+    trainable_aliased = set(whole["aliased"]) - set(whole["frozen"])
+    if dtype_name == "float32":
+        assert trainable_aliased and trainable_aliased <= set(whole["master_is_shard"]), whole
+    else:
+        assert trainable_aliased and whole["master_is_shard"] == [], whole

@@ -5,10 +5,13 @@ shards; its gradient shards, masters and optimizer state from the client optimiz
 kind), the working set, the budget (zero3/placement/budget.py) -> a `Plan`
 (zero3/placement/plan.py) -> a `Placement` every owner reads. `settle_parameters` then
 puts each parameter shard on its tier and leaves each parameter sharded, resident or
-aliased, and writes the NVMe tier's shards to their files. Under a measured budget, `MeasuredPlacement` watches the first accumulation
-window and, at its boundary, makes the plan once and moves what now fits onto the device
-(`move_to_plan`): shards by their ShardedParams, masters and optimizer state by the
-sharded optimizer, the host gradient buffer by the gradient sink. Nothing is moved again.
+aliased, and writes the NVMe tier's shards to their files. Under a measured budget,
+`MeasuredPlacement` watches the first accumulation window and, at its boundary, makes the
+plan and moves what now fits onto the device (`move_to_plan`): shards by their
+ShardedParams, masters and optimizer state by the sharded optimizer, the host gradient
+buffer by the gradient sink; at world size 1 what the plan keeps wholly on the device is
+aliased to its shard, as at initialize. The second window may move more to the device,
+none back; after it nothing moves unless `set_gpu_budget` asks.
 
 Ownership: the tensors stay their owners'; this module only tells them where to go.
 """
@@ -95,13 +98,16 @@ def working_set(config: Zero3Config, table: dict, units: list[FetchUnit], rules:
     """The working set of this engine's units (placement/sizes.py)."""
     return working_set_bytes(
         [sum(sp.numel for sp in u.params) for u in units],
-        sum(sp.numel for sp in table.values() if not sp.persistent), config.zero.max_live_parameters, rules.width,
+        sum(sp.numel for sp in table.values() if not sp.persistent_by_config), config.zero.max_live_parameters,
+        rules.width,
         sum(sp.padded_numel for sp in table.values() if sp.requires_grad), config.zero.reduce_bucket_size,
         rules.reduce_width)
 
 
 def resident_bytes(table: dict) -> int:
-    return sum(sp.numel * sp.param.element_size() for sp in table.values() if sp.persistent)
+    """Bytes of the parameters resident by the config (an aliased one is its unit's shard,
+    charged there)."""
+    return sum(sp.numel * sp.param.element_size() for sp in table.values() if sp.persistent_by_config)
 
 
 def plan_inputs(config: Zero3Config, table: dict, units: list[FetchUnit], optimizer: torch.optim.Optimizer | None,
@@ -186,8 +192,8 @@ def settle_parameters(table: dict[torch.nn.Parameter, ShardedParam], units: list
                       comm: Communicator, config: Zero3Config, provisional: bool = False) -> ParamSwap | None:
     """Each shard onto its tier; then, at world size 1 without collectives, a parameter whose
     shard and optimizer side are both on the compute device is aliased to its shard
-    (resident for good, stepped in place) unless the placement is `provisional` (a measured
-    budget may send it back to the host); other non-persistent parameters are released and
+    (resident, stepped in place) unless the placement is `provisional` (the measured plan
+    that follows moves pieces either way; it aliases what it keeps on the device); other non-persistent parameters are released and
     persistent ones that arrived partitioned are gathered. Last, the shards of the NVMe tier
     go to their swap files (params/nvme_shards.py; returned, None without the tier).
     Collective (those gathers, the swap folder's checks)."""
@@ -196,13 +202,8 @@ def settle_parameters(table: dict[torch.nn.Parameter, ShardedParam], units: list
     for sp in table.values():
         pin = offload.enabled and offload.pin_memory and placement.params_tier(sp) is not Tier.NVME
         sp.move_shard(placement.param_device(sp), pin)
-        alias = (not comm.active and not provisional and sp.shard.device == sp.param.device
-                 and placement.state_tier(sp) is Tier.DEVICE and placement.params_tier(sp) is Tier.DEVICE)
-        if alias and sp.state is ParamState.SHARDED:
-            sp.begin_gather()
-            sp.finish_gather(gather_rows(comm, sp.shard, device))
-        if alias:
-            sp.alias_shard()
+        if not provisional and may_alias(sp, placement, comm):
+            alias(sp, comm, device)
         elif sp.state is ParamState.FULL and not sp.persistent:
             sp.release()
         elif sp.state is ParamState.SHARDED and sp.persistent:
@@ -211,6 +212,23 @@ def settle_parameters(table: dict[torch.nn.Parameter, ShardedParam], units: list
     on_nvme = [[sp for sp in unit.params if not sp.persistent and placement.params_tier(sp) is Tier.NVME]
                for unit in units]
     return attach_param_swap(offload, config.aio, on_nvme, comm, device)
+
+
+def may_alias(sp: ShardedParam, placement: Placement, comm: Communicator) -> bool:
+    """World size 1 without collectives, the shard on the parameter's own device, and the
+    parameter's shard and optimizer side both on the device tier: it may be aliased to its
+    shard (a host-side update would write a parameter the compute stream reads)."""
+    return (not comm.active and sp.backing is None and sp.shard.device == sp.param.device
+            and placement.state_tier(sp) is Tier.DEVICE and placement.params_tier(sp) is Tier.DEVICE)
+
+
+def alias(sp: ShardedParam, comm: Communicator, device: torch.device, master: torch.Tensor | None = None) -> None:
+    """`sp` gathered if it is not (one local copy at world size 1), then aliased to its shard
+    (`master`: the master that is its shard, which follows it: ShardedParam.alias_shard)."""
+    if sp.state is ParamState.SHARDED:
+        sp.begin_gather()
+        sp.finish_gather(gather_rows(comm, sp.shard, device))
+    sp.alias_shard(master)
 
 
 def gather_back(fetcher: Fetcher, table: dict[torch.nn.Parameter, ShardedParam], swap: ParamSwap | None) -> None:
@@ -245,11 +263,14 @@ class PlacementOwners:
     optimizer: ShardedOptimizer | None
     sink: GradSink
     client_optimizer: torch.optim.Optimizer | None
+    comm: Communicator
 
 
 def move_to_plan(owners: PlacementOwners, plan: Plan) -> int:
     """Every piece whose tier `plan` changes, moved there, between steps (no update in
-    flight, no gradient held); the placement then says `plan`. Returns the parameters moved."""
+    flight, no gradient held); the placement then says `plan`, and at world size 1 what it
+    keeps wholly on the device is aliased (an aliased parameter it moves off becomes a copy
+    again). Returns the parameters moved."""
     if owners.optimizer is not None:
         owners.optimizer.wait()
     _refuse_nvme_moves(owners.placement, owners.units, plan)
@@ -263,17 +284,51 @@ def move_to_plan(owners: PlacementOwners, plan: Plan) -> int:
                 continue
             if owners.optimizer is not None and sp.requires_grad:
                 owners.optimizer.move_side(sp, placement.device_of(placed.state))
-            if not sp.aliased:
-                sp.move_shard(placement.device_of(placed.params), pin)
+            master = owners.optimizer.master_of(sp) if owners.optimizer is not None and sp.requires_grad else None
+            _move_shard(sp, placement.device_of(placed.params), pin, master)
             placement.assign(sp, placed.params, placed.state, placed.accumulator)
             if owners.optimizer is not None and sp.requires_grad:
                 reshare(sp, owners.optimizer.master_of(sp), owners.optimizer.precision)
             moved += 1
     placement.plan = plan
+    _alias_device_tier(owners)
+    for unit in owners.units:
+        unit.residency_changed()
     owners.sink.placement_changed()
     if owners.optimizer is not None:
         owners.optimizer.placement_changed()
     return moved
+
+
+def _move_shard(sp: ShardedParam, device: torch.device, pin: bool, master: torch.Tensor | None) -> None:
+    """The shard to `device`; an aliased one (on the device tier, which the plan now leaves)
+    becomes a copy there, and the parameter is released unless it is resident. A master
+    still on the parameter's storage (it was the aliased shard, and its tier's device did
+    not change) takes a copy of its own first: the release would free its values."""
+    if not sp.aliased:
+        sp.move_shard(device, pin)
+        return
+    sp.unalias_shard(device, pin)
+    if master is not None and master.untyped_storage().data_ptr() == sp.param.untyped_storage().data_ptr():
+        with torch.no_grad():
+            master.data = master.detach().clone()
+    if not sp.persistent:
+        sp.release()
+
+
+def _alias_device_tier(owners: PlacementOwners) -> None:
+    """At world size 1, each parameter the plan keeps wholly on the device tier is aliased
+    to its shard, as `settle_parameters` does at initialize: no copy at each use, no
+    gathered copy beside the shard. A master that is its shard (same dtype and device) moves
+    onto the parameter's storage with it. Left as they are: one in use (held by a gather),
+    a non-contiguous one."""
+    device = owners.placement.compute_device
+    for sp in owners.table.values():
+        master = owners.optimizer.master_of(sp) if owners.optimizer is not None and sp.requires_grad else None
+        in_use = sp.holds > 0 or (sp.state is ParamState.FULL and not sp.persistent)
+        if sp.aliased or in_use or not sp.param.is_contiguous() or not may_alias(sp, owners.placement, owners.comm):
+            continue
+        alias(sp, owners.comm, device, master if master is sp.shard else None)
 
 
 def _refuse_nvme_moves(placement: Placement, units: list[FetchUnit], plan: Plan) -> None:

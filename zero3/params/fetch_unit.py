@@ -47,6 +47,11 @@ class FetchUnit:
         self._fetch = None
         return True
 
+    def residency_changed(self) -> None:
+        """A parameter of this unit became resident or stopped being resident (aliased at
+        world size 1 by a new placement): the fetch list is made anew at its next use."""
+        self._fetch = None
+
     def gather_set(self) -> list[ShardedParam]:
         return self.params + list(self.externals.values())
 

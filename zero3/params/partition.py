@@ -27,9 +27,10 @@ the gather reads and writes the values through `shard_values()` / `write_shard()
 work for every tier.
 
 Aliasing (world size 1, shard on the parameter's own device): after `alias_shard()` the
-shard *is* a flat view of the parameter's storage, the parameter is resident for good
-(FULL, never released), and writing the shard (optimizer write-back, checkpoint load)
-writes the parameter. Nothing is ever gathered or copied for it.
+shard *is* a flat view of the parameter's storage, the parameter is resident (FULL, never
+released), and writing the shard (optimizer write-back, checkpoint load) writes the
+parameter. Nothing is gathered or copied for it until a new placement takes it off the
+device tier (`unalias_shard`: the shard is a separate copy again).
 """
 
 from __future__ import annotations
@@ -126,12 +127,19 @@ class ShardedParam:
         # squared L2 norm of grad_shard when known on the device (grads/sink.py), else None
         self.grad_sq_norm: torch.Tensor | None = None
         self.aliased = False
+        self._persistent_before_alias = self.persistent  # restored by unalias_shard
         self.backing: ShardBacking | None = None  # set by the NVMe tier (nvme_shards.py)
 
     # ----------------------------------------------------------------- layout
     @property
     def padded_numel(self) -> int:
         return self.shard_numel * self.world_size
+
+    @property
+    def persistent_by_config(self) -> bool:
+        """Resident by the persistence threshold (or its size), aliasing aside: what a plan
+        charges as resident, whatever the placement aliased."""
+        return self._persistent_before_alias if self.aliased else self.persistent
 
     @property
     def requires_grad(self) -> bool:
@@ -225,18 +233,45 @@ class ShardedParam:
         self.shard = tensor
         self.shard_device = tensor.device
 
-    def alias_shard(self) -> None:
-        """FULL -> FULL, resident for good: the shard becomes a view of the parameter's
+    def alias_shard(self, master: torch.Tensor | None = None) -> None:
+        """FULL -> FULL, resident: the shard becomes a view of the parameter's
         storage (the separate shard copy is freed). Only at world size 1 with the shard
-        on the parameter's device, where the shard and the parameter hold the same values."""
+        on the parameter's device, where the shard and the parameter hold the same values.
+        `master`: the optimizer's master when it is the shard itself (same tensor); it moves
+        onto the parameter's storage with it (its identity, which the optimizer keys its
+        state by, kept) and stays the shard."""
         self._expect(ParamState.FULL, "alias_shard")
+        if master is not None and master is not self.shard:
+            raise StateError(f"alias_shard({self.name}): the master given is not the shard")
         if self.world_size != 1 or self.shard.device != self.param.device or not self.param.is_contiguous():
             raise StateError(f"alias_shard({self.name}): needs world size 1, the shard on the parameter's "
                              f"device and a contiguous parameter (world {self.world_size}, shard on "
                              f"{self.shard.device}, parameter on {self.param.device})")
-        self.shard = self.param.data.view(-1)
+        self._persistent_before_alias = self.persistent
+        view = self.param.data.view(-1)
+        if master is not None:
+            master.data = view
+            view = master
+        self.shard = view
         self.persistent = True
         self.aliased = True
+
+    def unalias_shard(self, device: torch.device, pin_memory: bool = False) -> None:
+        """FULL -> FULL, aliased no more (a new placement takes the parameter off the device
+        tier): the shard becomes a copy of the parameter's values on `device`, pinned on the
+        host when `pin_memory` and CUDA is there, and the parameter is persistent again only
+        if it was before `alias_shard`. The caller releases it if it is not."""
+        if not self.aliased:
+            raise StateError(f"unalias_shard({self.name}): the shard is not aliased")
+        self._expect(ParamState.FULL, "unalias_shard")
+        values = self.param.data.reshape(-1)
+        if pin_memory and device.type == "cpu" and torch.cuda.is_available():
+            self.shard = pinned_copy(values)
+        else:
+            self.shard = values.to(device, copy=True)
+        self.shard_device = device
+        self.aliased = False
+        self.persistent = self._persistent_before_alias
 
     def begin_gather(self) -> None:
         """SHARDED -> GATHERING: allocate the full storage back (values not yet valid)."""
