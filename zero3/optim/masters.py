@@ -124,7 +124,7 @@ class ShardedOptimizer:
         self.usage = usage
         self.background = background or BackgroundStep()
         self._shadows: dict[tuple[int, ...], torch.optim.Optimizer] = {}
-        self._remap_param_groups(table)
+        self._remap_param_groups(table, swaps=swap is not None)
         self._client_group_of = [
             index for index, group in enumerate(self.optimizer.param_groups) for _ in group["params"]]
         self.leaf_parameters = leaf_parameters_of(self.params, leaf_modules or {})
@@ -132,7 +132,7 @@ class ShardedOptimizer:
         self.early = EarlyHostUpdates(self, early_update_bytes)
 
     # ------------------------------------------------------------------ setup
-    def _remap_param_groups(self, table: dict[torch.nn.Parameter, ShardedParam]) -> None:
+    def _remap_param_groups(self, table: dict[torch.nn.Parameter, ShardedParam], swaps: bool) -> None:
         if self.optimizer.state:
             raise OptimizerSetupError(
                 "the optimizer passed to zero3.initialize already has state (it has stepped); "
@@ -152,8 +152,10 @@ class ShardedOptimizer:
                     continue  # frozen: never has a gradient, needs no master
                 self.params.append(sp)
                 on_nvme = sp.backing is not None  # never the shard: that one lives in a file
-                master = self.precision.make_master(sp.shard_values(), self.placement.state_device(sp),
-                                                    self.pin_memory, apart=on_nvme)
+                in_files = swaps and self.placement.state_tier(sp) is Tier.NVME  # written by the swap's attach
+                master = self.precision.make_master(sp.shard if in_files else sp.shard_values(),
+                                                    self.placement.state_device(sp), self.pin_memory,
+                                                    apart=on_nvme, parked=in_files)
                 self.masters.append(master)
                 masters.append(master)
             group["params"] = masters

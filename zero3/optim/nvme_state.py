@@ -35,7 +35,8 @@ accessors and consolidated exports, need: the whole state is then in host memory
 next step writes it back). `close()` waits for the writes and removes the files.
 
 Memory: the pool's `buffer_count` buffers (each the size of the largest swap group) are the
-host memory of the tier; tensors are never owned here, only re-pointed.
+host memory of the tier (at initialize too: the masters are made without storage and each
+group's are cast from the compute shards into a buffer and written, one group at a time); tensors are never owned here, only re-pointed.
 """
 
 from __future__ import annotations
@@ -160,7 +161,7 @@ class OptimizerSwap:
             rank, first = failures[0]
             raise SwapSetupError(first if first == error else f"rank {rank}: {first}")
         for g in range(len(self.groups)):
-            self._store(g, wait=False)
+            self._store(g, wait=False, first=True)
         self.pager.drain()
 
     def _layout(self, members: list[int], foreseen: dict[Any, dict[str, Any]]) -> SwapGroup:
@@ -230,9 +231,11 @@ class OptimizerSwap:
                 self._parked[id(tensor)] = (g, region, tensor)
         self.groups[g].held = Held.PARKED
 
-    def _store(self, g: int, wait: bool) -> None:
+    def _store(self, g: int, wait: bool, first: bool = False) -> None:
         """BOUND or LOOSE -> PARKED: every tensor's values into g's buffer (those not already
-        there: a state created by the step, a LOOSE tensor), the buffer written, the tensors parked."""
+        there: a state created by the step, a LOOSE tensor), the buffer written, the tensors parked.
+        `first` (at attach): the masters have no storage yet (precision.make_master's `parked`);
+        their values are their compute shards', cast into the buffer."""
         group = self.groups[g]
         if group.held is Held.PARKED:
             return
@@ -247,7 +250,9 @@ class OptimizerSwap:
                         "optimizer whose state changes shape cannot use the NVMe tier: use offload_optimizer "
                         '"cpu"')
                 target = buffer[region.offset:region.offset + region.nbytes].view(region.dtype)
-                if target.data_ptr() != tensor.data_ptr():
+                if first and region.key == MASTER:
+                    target.copy_(self.opt.params[region.index].shard_values().reshape(-1))
+                elif target.data_ptr() != tensor.data_ptr():
                     target.copy_(tensor.reshape(-1))
         self._park(g)
         self.pager.store(g, wait=wait)

@@ -69,12 +69,20 @@ class MasterPrecision:
         """Whether the master of `shard`, living on `device`, is the shard itself."""
         return not self.upcasts and shard.dtype == self.master_dtype and shard.device == device
 
-    def make_master(self, shard: torch.Tensor, device: torch.device, pin: bool, apart: bool = False) -> torch.Tensor:
+    def make_master(self, shard: torch.Tensor, device: torch.device, pin: bool, apart: bool = False,
+                    parked: bool = False) -> torch.Tensor:
         """The master of `shard` on `device`: the shard itself where `shares_storage` (and not
         `apart`: a shard on the NVMe tier lives in a file), else a new tensor in the master
-        dtype (pinned on the host when `pin`). The caller owns it."""
+        dtype (pinned on the host when `pin`). `parked`: a master of the NVMe tier, made with
+        no storage (its values are not read: the tier writes the shard's, cast, straight to
+        its file at initialize, one swap group at a time, so the tier's masters never all
+        sit in host memory). The caller owns it."""
         if self.shares_storage(shard, device) and not apart:
             return shard
+        if parked:
+            master = torch.empty(shard.shape, dtype=self.master_dtype)
+            master.untyped_storage().resize_(0)
+            return master
         if pin and device.type == "cpu":
             master = pinned_empty(shard.numel(), self.master_dtype).view(shard.shape)
             return master.copy_(shard)
