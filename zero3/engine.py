@@ -476,9 +476,10 @@ class Engine(EngineSurface, nn.Module):
 
     # -------------------------------------------------------------- lifetime
     def destroy(self) -> None:
-        """Remove every hook; gather the parameters back so the module is plain again.
-        A save still being written is waited for first; its error, if any, is raised
-        once the engine is taken down."""
+        """Remove every hook; let go of the optimizer side (masters, optimizer state: the
+        client optimizer's state is cleared) and gather the parameters back so the module
+        is plain again, in the memory the state used. A save still being written is waited
+        for first; its error, if any, is raised once the engine is taken down."""
         if self._destroyed:
             return
         try:
@@ -492,6 +493,7 @@ class Engine(EngineSurface, nn.Module):
                 self.optimizer.background.close()
             finally:
                 self.optimizer.swap.close()  # the NVMe tier's swap files removed
+            self.optimizer.let_go()  # the device's optimizer side freed before the gathers below
         self.fetcher.release_all()
         placement_parts.gather_back(self.fetcher, self.table, self.param_swap)  # NVMe swap files removed
         self.fetcher.remove()

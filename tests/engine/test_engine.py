@@ -226,3 +226,37 @@ def test_world_one_parameters_are_their_shards():
     [offloaded] = run_ranks(aliasing_at_world_one, 1, True)
     assert not any(offloaded["aliased"]) and not offloaded["all_resident"], offloaded
     assert offloaded["hooks"] == 2 * offloaded["units"] and offloaded["changed"], offloaded
+
+
+def destroyed(rank: int, world: int):
+    import zero3
+    from zero3.checkpoint.export import consolidated_state_dict
+
+    model = make_model()
+    client = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    engine, *_ = zero3.initialize(model=model, optimizer=client, config={
+        "train_micro_batch_size_per_gpu": MICRO,
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}})
+    x, y = make_batches(world, MICRO)[rank]
+    for _ in range(2):
+        engine.backward(engine(x, y))
+        engine.step()
+    trained = consolidated_state_dict(engine)  # rank 0's; empty on the others
+    shapes = {name: p.shape for name, p in model.named_parameters()}
+    engine.destroy()
+    plain = {name: p.detach().clone() for name, p in model.named_parameters()}
+    return {
+        "same": all(torch.equal(trained[name], plain[name]) for name in plain) if trained else rank != 0,
+        "shapes": all(p.shape == shapes[name] and p.numel() == math.prod(shapes[name]) for name, p in plain.items()),
+        "loss": float(model(x, y)),  # a plain forward of the whole module
+        "state": len(client.state), "group_params": [len(g["params"]) for g in client.param_groups],
+    }
+
+
+def test_destroy_lets_go_of_the_optimizer_side_and_leaves_the_trained_module_whole():
+    """destroy() drops the masters and the client optimizer's state before it gathers the
+    parameters back (the gathers may use the memory the state held), and the module it
+    leaves holds the trained values, whole, on every rank."""
+    for r in run_ranks(destroyed, 2):
+        assert r["same"] and r["shapes"] and math.isfinite(r["loss"]), r
+        assert r["state"] == 0 and r["group_params"] == [0], r

@@ -160,17 +160,7 @@ class ShardedOptimizer:
                 masters.append(master)
             group["params"] = masters
         self._master_by_param = {id(sp): m for sp, m in zip(self.params, self.masters)}
-        self._prefer_fused_kernels()
-
-    def _prefer_fused_kernels(self) -> None:
-        """Adam, AdamW and SGD over the shards run as one fused kernel per group, unless
-        the user chose an implementation (foreach=... or fused=...) explicitly."""
-        if not isinstance(self.optimizer, (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)):
-            return
-        for group in self.optimizer.param_groups:
-            explicit = group.get("foreach") is not None or group.get("fused") is not None
-            if not explicit and not group.get("differentiable") and group["params"]:
-                group["fused"] = True
+        prefer_fused_kernels(self.optimizer)
 
     # ------------------------------------------------------------------- step
     @property
@@ -515,6 +505,17 @@ class ShardedOptimizer:
         if self.usage is not None:
             self.usage.reset()
 
+    def let_go(self) -> None:
+        """Teardown: masters, gradient shards and the client optimizer's state dropped (freed
+        once nothing else holds them; a master that is its shard stays the shard), so the
+        parameters can be gathered whole in their place. No step afterwards."""
+        self.wait()
+        self.zero_grad()
+        self.optimizer.state.clear()
+        for group in self.optimizer.param_groups:
+            group["params"] = []
+        self.masters, self._master_by_param, self._shadows = [], {}, {}
+
     def zero_grad(self) -> None:
         self.early.abandon()
         self._drop_shard_grads()
@@ -526,6 +527,17 @@ class ShardedOptimizer:
         (after the update in flight, if any)."""
         self.wait()
         return self._master_by_param.get(id(sp))
+
+
+def prefer_fused_kernels(optimizer: torch.optim.Optimizer) -> None:
+    """Adam, AdamW and SGD over the shards run as one fused kernel per group, unless the
+    user chose an implementation (foreach=... or fused=...) explicitly."""
+    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)):
+        return
+    for group in optimizer.param_groups:
+        explicit = group.get("foreach") is not None or group.get("fused") is not None
+        if not explicit and not group.get("differentiable") and group["params"]:
+            group["fused"] = True
 
 
 def separate_first_momentum(optimizer: torch.optim.Optimizer, masters: list[torch.Tensor],
