@@ -88,6 +88,15 @@ def loss_of(model, tokens) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
 
 
+def _rss_now_gib() -> float:
+    """The process's resident set now (Linux; NaN elsewhere)."""
+    try:
+        line = next(x for x in open("/proc/self/status").read().splitlines() if x.startswith("VmRSS:"))
+    except (OSError, StopIteration):
+        return float("nan")
+    return int(line.split()[1]) / (1 << 20)
+
+
 def zero3_case(args, kind: str, micro: int):
     import zero3
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
@@ -222,7 +231,8 @@ def run_case(args, kind: str, micro: int, params: int) -> dict:
     result = {"kind": kind, "micro": micro, "ga": args.ga, "step_ms": median * 1e3, "tokens_s": tokens / median,
               "tflops": 6 * params * tokens / median / 1e12,
               "peak_gib": torch.cuda.max_memory_allocated() / (1 << 30),
-              "host_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20),
+              "host_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20),  # lifetime peak
+              "host_rss_now_gib": _rss_now_gib(),  # after the measured steps: the final plan's host side
               "init_s": init_s, "first_steps_ms": [round(t * 1e3) for t in times[:args.warmup]],
               "losses": losses, **describe()}
     close()
@@ -284,7 +294,8 @@ def main() -> None:
             continue
         rows.append(row)
         print(f"{case}: {row['step_ms']:.1f} ms/step, {row['tokens_s']:.0f} tokens/s, {row['tflops']:.1f} TFLOPS, "
-              f"peak {row['peak_gib']:.2f} GiB, host RSS {row['host_rss_gib']:.1f} GiB, init {row['init_s']:.1f} s, "
+              f"peak {row['peak_gib']:.2f} GiB, host RSS {row['host_rss_now_gib']:.1f} GiB at the end "
+              f"({row['host_rss_gib']:.1f} at its peak), init {row['init_s']:.1f} s, "
               f"warm-up steps {row['first_steps_ms']} ms\n  {row['plan']}\n  losses {[round(x, 4) for x in row['losses']]}",
               flush=True)
     if args.rows:
