@@ -294,6 +294,40 @@ def test_swap_io_moves_bytes_exactly_in_every_issue_mode(tmp_path):
         io.close()
 
 
+def test_a_file_is_opened_once_when_many_threads_first_use_it(tmp_path):
+    """SwapIO's worker threads write chunks of a new file at once: the backend opens each path
+    once (a second handle used to be opened and dropped; KvikIO closed a dropped handle while
+    its write was in flight, EBADF). Every descriptor is closed by close()."""
+    import threading
+
+    from zero3.nvme.backends import PosixFiles
+    from zero3.nvme.buffers import aligned_empty
+
+    def open_fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    before = open_fds()
+    files, paths = PosixFiles(), [tmp_path / f"f{i}" for i in range(40)]
+    chunk = aligned_empty(4096)
+    chunk.fill_(7)
+    start = threading.Barrier(8)
+
+    def writer(k: int) -> None:
+        start.wait()
+        for path in paths:
+            files.pwrite(path, chunk, k * 4096)
+
+    threads = [threading.Thread(target=writer, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    opened = open_fds() - before
+    files.close()
+    assert opened == len(paths) and open_fds() == before, (opened, open_fds(), before)
+    assert all(p.stat().st_size == 8 * 4096 and set(p.read_bytes()) == {7} for p in paths)
+
+
 def initialize_memory(rank: int, world: int, nvme: str) -> dict:
     """Host memory taken by initialize with every optimizer side on NVMe: its peak over the
     resident size before (the kernel's high-water mark, reset through clear_refs)."""

@@ -17,13 +17,17 @@ probe write and read of a scratch file works, else POSIX, saying why). The envir
 variable ZERO3_NVME_BACKEND overrides the choice.
 
 Memory: a backend owns its open file descriptors only; the buffers are the caller's and
-must stay alive until the call returns.
+must stay alive until the call returns. Threads: each file is opened once, under a lock, by
+the first call that needs it (two threads opening the same path at once used to open it
+twice; KvikIO then closed the handle it dropped while a write on it was in flight, which
+its POSIX path reports as "Operation not permitted", its text for EBADF).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 from pathlib import Path
 from typing import Protocol
 
@@ -60,20 +64,25 @@ class PosixFiles:
     def __init__(self, direct: bool = True) -> None:
         self.direct = direct and hasattr(os, "O_DIRECT")
         self._fds: dict[Path, int] = {}
+        self._opening = threading.Lock()
 
     def _fd(self, path: Path) -> int:
         fd = self._fds.get(path)
-        if fd is None:
-            flags = os.O_RDWR | os.O_CREAT
-            if self.direct:
-                try:
-                    fd = os.open(path, flags | os.O_DIRECT, 0o600)
-                except OSError:  # tmpfs and some others refuse O_DIRECT
-                    self.direct = False
-            if fd is None:
-                fd = os.open(path, flags, 0o600)
-            self._fds[path] = fd
-        return fd
+        if fd is not None:
+            return fd
+        with self._opening:
+            if path not in self._fds:
+                self._fds[path] = self._open(path)
+            return self._fds[path]
+
+    def _open(self, path: Path) -> int:
+        flags = os.O_RDWR | os.O_CREAT
+        if self.direct:
+            try:
+                return os.open(path, flags | os.O_DIRECT, 0o600)
+            except OSError:  # tmpfs and some others refuse O_DIRECT
+                self.direct = False
+        return os.open(path, flags, 0o600)
 
     def pread(self, path: Path, buffer: torch.Tensor, offset: int) -> int:
         return os.preadv(self._fd(path), [_view(buffer)], offset)
@@ -106,21 +115,28 @@ class KvikioFiles:
             except Exception:  # noqa: BLE001 - an older KvikIO: buffered I/O
                 pass
         self._files: dict[Path, object] = {}
+        self._opening = threading.Lock()
 
     def _file(self, path: Path):
         handle = self._files.get(path)
-        if handle is None:
-            if not path.exists():
-                path.touch(mode=0o600)
-            handle = self._kvikio.CuFile(path, "r+")
-            self._files[path] = handle
-        return handle
+        if handle is not None:
+            return handle
+        with self._opening:
+            handle = self._files.get(path)
+            if handle is None:
+                if not path.exists():
+                    path.touch(mode=0o600)
+                handle = self._kvikio.CuFile(path, "r+")
+                self._files[path] = handle
+            return handle
 
     def pread(self, path: Path, buffer: torch.Tensor, offset: int) -> int:
-        return int(self._file(path).pread(buffer.numpy(), buffer.numel(), offset).get())
+        handle = self._file(path)  # held until the read is done
+        return int(handle.pread(buffer.numpy(), buffer.numel(), offset).get())
 
     def pwrite(self, path: Path, buffer: torch.Tensor, offset: int) -> int:
-        return int(self._file(path).pwrite(buffer.numpy(), buffer.numel(), offset).get())
+        handle = self._file(path)  # held until the write is done
+        return int(handle.pwrite(buffer.numpy(), buffer.numel(), offset).get())
 
     def close(self) -> None:
         for handle in self._files.values():
