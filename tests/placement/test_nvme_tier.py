@@ -22,19 +22,16 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
-import textwrap
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from common import make_batches, make_model, optimizer_tensors, two_param_groups
+from common import make_model, optimizer_tensors, two_param_groups
 from harness import run_ranks
+from nvme_cases import (full_disk_then_resume, hold_swap_folder, missing_on_one_rank, setup_error,
+                        train_in_compute_dtype)
 
 MICRO, GA, STEPS = 4, 2, 4
-REPO = Path(__file__).resolve().parents[2]
 
 
 def config_for(device: str, nvme_path: str | None = None, overlap: bool = True, budget=None,
@@ -64,17 +61,7 @@ def build(config: dict, seed: int = 0):
 
 
 def train(engine, rank: int, world: int, first: int, last: int) -> list[float]:
-    """bf16 inputs (cast by the caller, as with DeepSpeed); every micro-step's loss."""
-    batches = make_batches(STEPS * GA * world, MICRO)
-    losses = []
-    for step in range(first, last):
-        for index in range(GA):
-            x, y = batches[(step * GA + index) * world + rank]
-            loss = engine(x.to(engine.compute_dtype), y.to(engine.compute_dtype))
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.float().item())
-    return losses
+    return train_in_compute_dtype(engine, rank, world, first, last, GA, MICRO, STEPS)
 
 
 def final_state(engine) -> dict[str, torch.Tensor]:
@@ -111,8 +98,11 @@ def nvme_run(rank: int, world: int, folder: str, nvme: str, leftover: str):
     results["removed_at_destroy"] = not swap_folder.exists()
     results.update(three_tier_run(rank, world, nvme, expected, reference))
     results.update(cross_loads(rank, world, folder, nvme, expected, reference))
-    results["missing"] = missing_on_one_rank(rank, nvme)
-    results.update(full_disk(rank, world, folder, nvme, expected, reference))
+    results["missing"] = missing_on_one_rank(rank, nvme, lambda path: setup_error(lambda: build(config_for("nvme", path))))
+    results.update(full_disk_then_resume(
+        lambda seed: build(config_for("nvme", nvme, overlap=False), seed=seed),
+        lambda engine, first, last: train(engine, rank, world, first, last), folder, 4096,
+        lambda engine: engine.optimizer.swap.folder.path, final_state, expected[2 * GA:], reference, STEPS))
     return results
 
 
@@ -158,70 +148,6 @@ def cross_loads(rank: int, world: int, folder: str, nvme: str, expected: list, r
     return out
 
 
-def missing_on_one_rank(rank: int, nvme: str) -> str:
-    """The same nvme_path (relative) everywhere, a folder there on rank 0 only."""
-    cwd = os.getcwd()
-    here = Path(nvme) if rank == 0 else Path(nvme) / "elsewhere"
-    here.mkdir(exist_ok=True)
-    os.chdir(here)
-    try:
-        Path("relative").mkdir(exist_ok=rank == 0) if rank == 0 else None
-        return setup_error(config_for("nvme", "relative"))
-    finally:
-        os.chdir(cwd)
-
-
-def setup_error(config: dict) -> str:
-    try:
-        build(config).destroy()
-    except Exception as exc:  # noqa: BLE001 - the message is the result
-        return f"{type(exc).__name__}: {exc}"
-    return "no error"
-
-
-def full_disk(rank: int, world: int, folder: str, nvme: str, expected: list, reference: dict) -> dict:
-    """A swap write that fails (a file size limit below the swap files' size), then resume."""
-    import resource
-
-    engine = build(config_for("nvme", nvme, overlap=False))
-    train(engine, rank, world, 0, 2)
-    engine.save_checkpoint(folder, tag="before_full")
-    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, hard))
-    try:
-        train(engine, rank, world, 2, 3)
-        error = "no error"
-    except Exception as exc:  # noqa: BLE001 - the message is the result
-        error = f"{type(exc).__name__}: {exc}"
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
-    engine.destroy()
-    resumed = build(config_for("nvme", nvme, overlap=False), seed=7)
-    resumed.load_checkpoint(folder)  # `latest`: the last checkpoint, saved before the failure
-    losses = train(resumed, rank, world, 2, STEPS)
-    out = {"full_error": error, "full_resumed": (losses == expected[2 * GA:], differing(reference, final_state(resumed)))}
-    resumed.destroy()
-    return out
-
-
-HOLD_FOLDER = textwrap.dedent("""
-    import sys, time
-    from zero3.nvme.folder import SwapFolder
-    folder, _ = SwapFolder.create(sys.argv[1], int(sys.argv[2]), 0)
-    (folder.path / "group00000.swp").write_bytes(b"stale" * 1000)
-    print(folder.path, flush=True)
-    time.sleep(600)
-""")
-
-
-def hold_swap_folder(nvme: Path, rank: int) -> tuple[subprocess.Popen, Path]:
-    """A process that made its swap folder and holds it (until killed)."""
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen([sys.executable, "-c", HOLD_FOLDER, str(nvme), str(rank)], stdout=subprocess.PIPE,
-                            env=env, text=True)
-    return proc, Path(proc.stdout.readline().strip())
-
-
 def test_nvme_tier_is_exact_survives_a_full_disk_and_cleans_up(tmp_path):
     nvme = tmp_path / "nvme"
     nvme.mkdir()
@@ -246,7 +172,7 @@ def test_nvme_tier_is_exact_survives_a_full_disk_and_cleans_up(tmp_path):
         assert r["host_from_nvme"] == (True, []) and r["nvme_from_host"] == (True, []), rank
         assert "SwapSetupError" in r["missing"] and "does not exist" in r["missing"], r["missing"]
         assert "File too large" in r["full_error"] and "nvme_path" in r["full_error"], r["full_error"]
-        assert r["full_resumed"] == (True, []), rank
+        assert r["full_removed"] and r["full_resumed"] == (True, []), (rank, r["full_resumed"])
     assert "rank 1" in results[0]["missing"]  # rank 0's folder was fine: it names the rank that failed
     assert [p.name for p in (nvme / "zero3_swap").iterdir()] == [held.name], "swap folders left behind"
     assert [p.name for p in (nvme / "relative" / "zero3_swap").iterdir()] == [], "rank 0's folder left behind"

@@ -20,14 +20,14 @@ The leftovers of a killed run are cleared at the start, a live run's folder is l
 
 from __future__ import annotations
 
-import os
 import signal
 from pathlib import Path
 
 import torch
-from common import make_batches, make_model, two_param_groups
+from common import make_model, two_param_groups
 from harness import run_ranks
-from test_nvme_tier import hold_swap_folder
+from nvme_cases import (full_disk_then_resume, hold_swap_folder, missing_on_one_rank, setup_error,
+                        train_in_compute_dtype)
 
 MICRO, GA, STEPS = 4, 2, 4
 
@@ -56,16 +56,7 @@ def build(config: dict, seed: int = 0, lora: bool = False):
 
 
 def train(engine, rank: int, world: int, first: int, last: int) -> list[float]:
-    batches = make_batches(STEPS * GA * world, MICRO)
-    losses = []
-    for step in range(first, last):
-        for index in range(GA):
-            x, y = batches[(step * GA + index) * world + rank]
-            loss = engine(x.to(engine.compute_dtype), y.to(engine.compute_dtype))
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.float().item())
-    return losses
+    return train_in_compute_dtype(engine, rank, world, first, last, GA, MICRO, STEPS)
 
 
 def state_of(engine) -> dict[str, torch.Tensor]:
@@ -110,11 +101,15 @@ def param_nvme_run(rank: int, world: int, folder: str, nvme: str, leftover: str)
     results["removed_at_destroy"] = not swap_folder.exists()
     results.update(lora_run(rank, world, nvme))
     results.update(cross_loads(rank, world, folder, nvme, expected, reference))
-    results["missing"] = missing_on_one_rank(rank, nvme)
-    results["small_buffer"] = setup_error({**config_for("nvme", nvme), "zero_optimization": {
+    results["missing"] = missing_on_one_rank(rank, nvme, lambda path: setup_error(lambda: build(config_for("nvme", path))))
+    small = {**config_for("nvme", nvme), "zero_optimization": {
         **config_for("nvme", nvme)["zero_optimization"],
-        "offload_param": {"device": "nvme", "nvme_path": nvme, "buffer_size": 100, "max_in_cpu": 0}}})
-    results.update(full_disk(rank, world, folder, nvme, expected, reference))
+        "offload_param": {"device": "nvme", "nvme_path": nvme, "buffer_size": 100, "max_in_cpu": 0}}}
+    results["small_buffer"] = setup_error(lambda: build(small))
+    results.update(full_disk_then_resume(
+        lambda seed: build(config_for("nvme", nvme, overlap=False), seed=seed),
+        lambda engine, first, last: train(engine, rank, world, first, last), folder, 1024,
+        lambda engine: engine.param_swap.folder.path, state_of, expected[2 * GA:], reference, STEPS))
     return results
 
 
@@ -151,55 +146,6 @@ def cross_loads(rank: int, world: int, folder: str, nvme: str, expected: list, r
         out[name] = (losses == expected[2 * GA:], differing(reference, state_of(engine)))
         out[f"{name}_tiers"] = shard_tiers(engine)
         engine.destroy()
-    return out
-
-
-def missing_on_one_rank(rank: int, nvme: str) -> str:
-    """The same nvme_path (relative) everywhere, a folder there on rank 0 only."""
-    cwd = os.getcwd()
-    here = Path(nvme) if rank == 0 else Path(nvme) / "elsewhere"
-    here.mkdir(exist_ok=True)
-    os.chdir(here)
-    try:
-        Path("relative").mkdir(exist_ok=True) if rank == 0 else None
-        return setup_error(config_for("nvme", "relative"))
-    finally:
-        os.chdir(cwd)
-
-
-def setup_error(config: dict) -> str:
-    try:
-        build(config).destroy()
-    except Exception as exc:  # noqa: BLE001 - the message is the result
-        return f"{type(exc).__name__}: {exc}"
-    return "no error"
-
-
-def full_disk(rank: int, world: int, folder: str, nvme: str, expected: list, reference: dict) -> dict:
-    """A parameter write that fails (a file size limit below a region), then resume."""
-    import resource
-
-    engine = build(config_for("nvme", nvme, overlap=False))
-    train(engine, rank, world, 0, 2)
-    engine.save_checkpoint(folder, tag="before_full")
-    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (1024, hard))
-    try:
-        train(engine, rank, world, 2, 3)
-        error = "no error"
-    except Exception as exc:  # noqa: BLE001 - the message is the result
-        error = f"{type(exc).__name__}: {exc}"
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
-    swap_folder = engine.param_swap.folder.path
-    engine.destroy()
-    removed = not swap_folder.exists()
-    resumed = build(config_for("nvme", nvme, overlap=False), seed=7)
-    resumed.load_checkpoint(folder)  # `latest`: the last checkpoint, saved before the failure
-    losses = train(resumed, rank, world, 2, STEPS)
-    out = {"full_error": error, "full_removed": removed,
-           "full_resumed": (losses == expected[2 * GA:], differing(reference, state_of(resumed)))}
-    resumed.destroy()
     return out
 
 
