@@ -127,8 +127,7 @@ class Engine(EngineSurface, nn.Module):
         self.lr_scheduler = build.resolve_scheduler(config, lr_scheduler, self.optimizer)
         self.placement_watch = placement_parts.MeasuredPlacement(placement_parts.PlacementOwners(
             config, self.table, self.units, self.placement, self.optimizer, self.reducer.sink, client_optimizer,
-            self.comm),
-            budget_choice, self.comm.rank)  # moves what fits to the device after a measured first window
+            self.comm), budget_choice, self.comm.rank)  # moves what fits to the device after a measured first window
         self.compiled_units = CompiledUnits(self.units, lambda: self.fetcher.root_forwards)
         for request in compile_requests:
             self.compiled_units.apply(request)
@@ -476,10 +475,9 @@ class Engine(EngineSurface, nn.Module):
 
     # -------------------------------------------------------------- lifetime
     def destroy(self) -> None:
-        """Remove every hook; let go of the optimizer side (masters, optimizer state: the
-        client optimizer's state is cleared) and gather the parameters back so the module
-        is plain again, in the memory the state used. A save still being written is waited
-        for first; its error, if any, is raised once the engine is taken down."""
+        """Remove every hook; let go of the optimizer side (the client optimizer's state is
+        cleared) and gather the parameters back, whole, so the module is plain again. A save
+        being written is waited for first; its error, if any, is raised once taken down."""
         if self._destroyed:
             return
         try:

@@ -193,8 +193,9 @@ def settle_parameters(table: dict[torch.nn.Parameter, ShardedParam], units: list
     """Each shard onto its tier; then, at world size 1 without collectives, a parameter whose
     shard and optimizer side are both on the compute device is aliased to its shard
     (resident, stepped in place) unless the placement is `provisional` (the measured plan
-    that follows moves pieces either way; it aliases what it keeps on the device); other non-persistent parameters are released and
-    persistent ones that arrived partitioned are gathered. Last, the shards of the NVMe tier
+    that follows moves pieces either way; it aliases what it keeps on the device); other
+    non-persistent parameters are released and persistent ones that arrived partitioned are
+    gathered. Last, the shards of the NVMe tier
     go to their swap files (params/nvme_shards.py; returned, None without the tier).
     Collective (those gathers, the swap folder's checks)."""
     device = placement.compute_device
@@ -282,13 +283,13 @@ def move_to_plan(owners: PlacementOwners, plan: Plan) -> int:
             if (placement.params_tier(sp), placement.state_tier(sp)) == (placed.params, placed.state):
                 placement.assign(sp, placed.params, placed.state, placed.accumulator)  # its accumulator may move
                 continue
-            if owners.optimizer is not None and sp.requires_grad:
-                owners.optimizer.move_side(sp, placement.device_of(placed.state))
             master = owners.optimizer.master_of(sp) if owners.optimizer is not None and sp.requires_grad else None
+            if master is not None:
+                owners.optimizer.move_side(sp, placement.device_of(placed.state))
             _move_shard(sp, placement.device_of(placed.params), pin, master)
             placement.assign(sp, placed.params, placed.state, placed.accumulator)
-            if owners.optimizer is not None and sp.requires_grad:
-                reshare(sp, owners.optimizer.master_of(sp), owners.optimizer.precision)
+            if master is not None:
+                reshare(sp, master, owners.optimizer.precision)
             moved += 1
     placement.plan = plan
     _alias_device_tier(owners)
