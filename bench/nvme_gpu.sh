@@ -8,7 +8,7 @@
 #             both offloads on: the optimizer state on the host, then half of it on NVMe
 #   4. largest (LARGEST=1) the largest 4096-wide GPT the planner fits on this machine with the
 #             optimizer state on the host, then with NVMe beside it, each trained 2 steps
-#   then the table of ratios. TRAIN=0 skips 3.
+#   then the table of ratios. TRAIN=0 skips 3; LARGEST_TIERS="nvme" runs 4 for one tier.
 # NVME_DIR: a folder on the drive to measure (default: a folder under /tmp, i.e. the disk /tmp
 # is on). KvikIO: carry kvikio_cu13, libkvikio_cu13 and rapids_logger wheels in .whl/
 # (pip download --no-deps kvikio-cu13==26.10.0 libkvikio-cu13==26.10.0 rapids-logger==0.3.0);
@@ -35,7 +35,7 @@ for tier in $([ "${TRAIN:-1}" = 1 ] && echo host nvme); do
         --dir "$dir" --threads ${THREADS:-8} --block-mib ${BLOCK_MIB:-8} --rows "$rows" 2>&1 \
         | grep -v Warning | tail -5 | tee "$out/nvme_train_$tier.log"
 done
-for tier in $([ "${LARGEST:-0}" = 1 ] && echo host nvme); do
+for tier in $([ "${LARGEST:-0}" = 1 ] && echo ${LARGEST_TIERS:-host nvme}); do
     timeout ${LARGEST_TIMEOUT:-280} python3 bench/nvme_bench.py largest --tier $tier --width 4096 --seq 1024 \
         --micro-batch 1 --steps 1 --warmup 1 --gpu-budget-gib ${LARGEST_GPU_GIB:-64} --dir "$dir" \
         --threads ${THREADS:-8} --block-mib ${BLOCK_MIB:-8} --rows "$rows" 2>&1 | grep -v Warning | tail -5 \

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The placement's GPU runs (one lent card), logs into $OUT (or bench/out):
 #   STAGE=checks  tests/gpu/placement_checks.py at world size 1 (NCCL) and 2 (gloo, one card);
-#                 STAGE=checks_w1 at world size 1 only
+#                 STAGE=checks_w1 at world size 1 only, STAGE=checks_w2 at world size 2 only
 #   STAGE=3b      bench/placement_bench.py: a 3.1B Llama full fine-tune, resident / offload under
 #                 the auto budget at micro-batch 2 and 4, both plain PyTorch peers beside it
 #   STAGE=ds      the 3.1B model under DeepSpeed 0.19.8 (carried in .whl, DS_BUILD_OPS=0, its CPU Adam
@@ -33,7 +33,7 @@ if has checks || has checks_w1; then
     timeout 150 torchrun --standalone --nproc_per_node=1 tests/gpu/placement_checks.py --backend nccl \
         2>&1 | tee "$out/placement_checks_w1.log" | grep -E "^(PASS|FAIL|CHECKS)|Error|error" | head -30
 fi
-if has checks; then
+if has checks || has checks_w2; then
     timeout 150 torchrun --standalone --nproc_per_node=2 tests/gpu/placement_checks.py --backend gloo \
         2>&1 | tee "$out/placement_checks_w2.log" | grep -E "^(PASS|FAIL|CHECKS)|Error|error" | head -30
 fi
