@@ -23,7 +23,9 @@ appends it to --rows):
   offloads on, AdamW; `--tier host` keeps the optimizer state on the host, `--tier nvme` puts
   the share `1 - --host-share` of it in swap files under --dir (placement.host_budget from
   the plan's host bytes). Reports the median step, the time the step waited on swap reads and
-  writes, the bytes per step, and the placement line.
+  writes, the bytes per step, and the placement line. `--engine deepspeed` runs the same model
+  and JSON under DeepSpeed (installed apart): ZeRO-Infinity with `--tier nvme` (all of its
+  optimizer state on NVMe, pipelined reads and writes), beside zero3 at `--host-share 0`.
 - `largest`: the largest GPT of --width (4096: a 7B-class shape) whose full fine-tune fits this
   machine with --tier's state placement, found by zero3's own planner (`zero3 estimate`'s)
   layer count by layer count: the GPU under --gpu-budget-gib, the host under its available
@@ -71,6 +73,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--buffers", type=int, default=4, help="offload_optimizer.buffer_count")
     p.add_argument("--tier", choices=["host", "nvme"], default="nvme")
     p.add_argument("--host-share", type=float, default=0.5)
+    p.add_argument("--engine", choices=["zero3", "deepspeed"], default="zero3",
+                   help="train: DeepSpeed runs the same model and JSON (its ZeRO-Infinity with --tier nvme)")
     p.add_argument("--gpu-budget-gib", type=float, default=12.0,
                    help="placement.gpu_budget on cuda: room for the parameter shards and little of the optimizer "
                         "state, which stays off the card (an auto budget would put a 2.9B model's whole state there)")
@@ -217,10 +221,7 @@ def host_bytes_of_state(args: argparse.Namespace, model) -> int:
     return plan.host_bytes
 
 
-def train_case(args: argparse.Namespace, folder: Path, host_budget: int | None = None,
-               dtype: torch.dtype = torch.float32) -> dict:
-    """`host_budget`: the NVMe tier's host budget (default: --host-share of the host tier's)."""
-    import zero3
+def build_gpt(args: argparse.Namespace, dtype: torch.dtype):
     from models import GPT
 
     torch.manual_seed(0)
@@ -228,28 +229,76 @@ def train_case(args: argparse.Namespace, folder: Path, host_budget: int | None =
     torch.set_default_dtype(dtype)  # made in `dtype`: a 12B model in fp32 would not fit beside its bf16 copy
     try:
         with torch.device(args.device):  # random initialisation on the GPU: seconds, not minutes
-            model = GPT(vocab=args.vocab, width=args.width, layers=args.layers, seq=args.seq + 1)
+            return GPT(vocab=args.vocab, width=args.width, layers=args.layers, seq=args.seq + 1)
     finally:
         torch.set_default_dtype(default)
+
+
+def train_case(args: argparse.Namespace, folder: Path, host_budget: int | None = None,
+               dtype: torch.dtype = torch.float32) -> dict:
+    """`host_budget`: the NVMe tier's host budget (default: --host-share of the host tier's)."""
+    if args.engine == "deepspeed":
+        return deepspeed_train_case(args, folder)
+    import zero3
+
+    model = build_gpt(args, dtype)
     zero3.set_z3_leaf_modules(model, [type(model.h[0])])  # a block, one fetch unit
     if args.tier == "nvme" and host_budget is None:
         host_budget = int(host_bytes_of_state(args, model) * args.host_share)
     engine, *_ = zero3.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4),
                                   config=train_config(args, folder, host_budget))
     tokens = torch.randint(0, args.vocab, (args.micro_batch, args.seq + 1), device=engine.device)
-    times, losses = _train(engine, tokens, args.warmup + args.steps)
+    disk_before = _disk_bytes()
+    times, losses = _train(engine, tokens, args.warmup + args.steps, wait=engine.optimizer.wait)
     swap = engine.optimizer.swap
     waited = dict(getattr(swap, "waited", {}))
     pager = getattr(swap, "pager", None)
     moved = (pager.io.bytes_read + pager.io.bytes_written) / GIB if pager is not None else 0.0
-    row = {"case": f"train_{args.tier}", "device": args.device, "params_b": sum(p.numel() for p in model.parameters()) / 1e9,
+    row = {"case": f"train_{args.tier}", "engine": "zero3", "device": args.device,
+           "params_b": sum(p.numel() for p in model.parameters()) / 1e9,
            "host_share": args.host_share if args.tier == "nvme" else 1.0,
            "step_s": statistics.median(times[args.warmup:]), "steps": times, "losses": losses[:3],
            "swap_wait_s_per_step": {k: v / len(times) for k, v in waited.items()},
-           "swap_gib_per_step": moved / len(times), "plan": engine.placement.plan.describe(),
-           "host_rss_gib": _rss_gib()}
+           "swap_gib_per_step": moved / len(times), "disk_gib_per_step": (_disk_bytes() - disk_before) / GIB / len(times),
+           "plan": engine.placement.plan.describe(), "host_rss_gib": _rss_gib()}
     engine.destroy()
     return row
+
+
+def deepspeed_train_case(args: argparse.Namespace, folder: Path) -> dict:
+    """The same GPT, JSON and steps under DeepSpeed (installed apart, never zero3's dependency):
+    `--tier nvme` is its ZeRO-Infinity, all of the optimizer state in swap files under --dir (it
+    has no host share), with its read and write pipelining on; `--tier host` its ZeRO-Offload."""
+    import logging
+
+    import deepspeed
+
+    deepspeed.utils.logger.setLevel(logging.WARNING)
+    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": "29561"}.items():
+        os.environ.setdefault(key, value)  # one process without a launcher
+    model = build_gpt(args, torch.bfloat16)
+    config = train_config(args, folder, None)
+    del config["placement"]  # zero3's own section
+    config.update(optimizer={"type": "AdamW", "params": {"lr": 1e-4}}, steps_per_print=10**9)
+    if args.tier == "nvme":
+        config["zero_optimization"]["offload_optimizer"].update(pipeline_read=True, pipeline_write=True)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    tokens = torch.randint(0, args.vocab, (args.micro_batch, args.seq + 1), device=engine.device)
+    disk_before = _disk_bytes()
+    times, losses = _train(engine, tokens, args.warmup + args.steps, wait=lambda: None)
+    return {"case": f"deepspeed_{args.tier}", "engine": f"DeepSpeed {deepspeed.__version__}", "device": args.device,
+            "params_b": sum(p.ds_numel for p in model.parameters()) / 1e9,
+            "host_share": 0.0 if args.tier == "nvme" else 1.0,
+            "step_s": statistics.median(times[args.warmup:]), "steps": times, "losses": losses[:3],
+            "disk_gib_per_step": (_disk_bytes() - disk_before) / GIB / len(times), "host_rss_gib": _rss_gib()}
+
+
+def _disk_bytes() -> int:
+    """This process's bytes read from and written to storage so far (/proc/self/io; direct I/O
+    included, page-cache hits not)."""
+    fields = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
+    return int(fields["read_bytes"]) + int(fields["write_bytes"])
 
 
 def largest_case(args: argparse.Namespace, folder: Path) -> dict:
@@ -312,7 +361,7 @@ def _available_host_gib() -> float:
     raise RuntimeError("largest: /proc/meminfo has no MemAvailable line")
 
 
-def _train(engine, tokens: torch.Tensor, steps: int) -> tuple[list[float], list[float]]:
+def _train(engine, tokens: torch.Tensor, steps: int, wait) -> tuple[list[float], list[float]]:
     times, losses = [], []
     for _ in range(steps):
         _sync(engine.device)
@@ -320,7 +369,7 @@ def _train(engine, tokens: torch.Tensor, steps: int) -> tuple[list[float], list[
         loss = engine(tokens)
         engine.backward(loss)
         engine.step()
-        engine.optimizer.wait()  # the overlapped host step (and its swap I/O) inside the step time
+        wait()  # zero3: the overlapped host step (and its swap I/O) inside the step time
         _sync(engine.device)
         times.append(time.perf_counter() - start)
         losses.append(float(loss.float().item()))
@@ -356,6 +405,14 @@ def table(rows_path: str) -> None:
               f"{nvme['swap_wait_s_per_step']} s on swap I/O, moving {nvme['swap_gib_per_step']:.2f} GiB a step")
 
 
+    deepspeed, zero3_nvme = by.get("deepspeed_nvme"), by.get("train_nvme")
+    if deepspeed:
+        line = (f"{deepspeed['engine']} ZeRO-Infinity, {deepspeed['params_b']:.2f}B params, all of the optimizer "
+                f"state on NVMe: {deepspeed['step_s']:.2f} s/step, {deepspeed['disk_gib_per_step']:.1f} GiB of disk I/O a step")
+        if zero3_nvme and zero3_nvme["params_b"] == deepspeed["params_b"]:
+            line += (f"; zero3 with {1 - zero3_nvme['host_share']:.0%} on NVMe {zero3_nvme['step_s']:.2f} s/step, "
+                     f"{zero3_nvme['disk_gib_per_step']:.1f} GiB (DeepSpeed / zero3 x{deepspeed['step_s'] / zero3_nvme['step_s']:.2f})")
+        print(line)
     for tier in ("host", "nvme"):
         row = by.get(f"largest_{tier}")
         if row and "failed" in row:

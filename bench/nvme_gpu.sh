@@ -8,6 +8,11 @@
 #             both offloads on: the optimizer state on the host, then half of it on NVMe
 #   4. largest (LARGEST=1) the largest 4096-wide GPT the planner fits on this machine with the
 #             optimizer state on the host, then with NVMe beside it, each trained 2 steps
+#   5. versus (VERSUS=1) one model (VERSUS_MODEL, default a 0.94B GPT: width 2048, 16 blocks) with
+#             all of its optimizer state on NVMe, zero3 (--host-share 0) then DeepSpeed 0.19.8's
+#             ZeRO-Infinity (carried in .whl, DS_BUILD_OPS=0: its CPU Adam and async_io ops are
+#             built at first use against libaio unpacked into .whl/libaio from the libaio1 and
+#             libaio-dev .deb files, `dpkg -x`), and zero3's host tier beside them
 #   then the table of ratios. TRAIN=0 skips 3; LARGEST_TIERS="nvme" runs 4 for one tier.
 # NVME_DIR: a folder on the drive to measure (default: a folder under /tmp, i.e. the disk /tmp
 # is on). KvikIO: carry kvikio_cu13, libkvikio_cu13 and rapids_logger wheels in .whl/
@@ -42,6 +47,18 @@ for tier in $([ "${LARGEST:-0}" = 1 ] && echo ${LARGEST_TIERS:-host nvme}); do
         | tee "$out/nvme_largest_$tier.log"
     free -g | head -2
 done
+if [ "${VERSUS:-0}" = 1 ]; then
+    export DS_BUILD_OPS=0
+    aio=$PWD/.whl/libaio lib=$PWD/.whl/libaio/usr/lib/x86_64-linux-gnu
+    export CPATH="$aio/usr/include" LIBRARY_PATH="$lib" LD_LIBRARY_PATH="$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
+        CFLAGS="-I$aio/usr/include" LDFLAGS="-L$lib"
+    versus="${VERSUS_MODEL:---width 2048 --layers 16} --seq 1024 --micro-batch 4 --steps 2 --warmup 1 --dir $dir \
+        --threads ${THREADS:-8} --block-mib ${BLOCK_MIB:-8} --rows $rows"
+    for run in "--tier host" "--tier nvme --host-share 0" "--tier nvme --engine deepspeed"; do
+        timeout ${VERSUS_TIMEOUT:-240} python3 bench/nvme_bench.py train $versus $run 2>&1 | grep -v Warning \
+            | tail -5 | tee -a "$out/nvme_versus.log"
+    done
+fi
 python3 bench/nvme_bench.py table --rows "$rows" | tee "$out/nvme_table.log"
 rm -rf "$dir"
 exit 0
