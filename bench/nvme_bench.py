@@ -73,6 +73,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--buffers", type=int, default=4, help="offload_optimizer.buffer_count")
     p.add_argument("--tier", choices=["host", "nvme"], default="nvme")
     p.add_argument("--host-share", type=float, default=0.5)
+    p.add_argument("--ratio", type=float, default=None,
+                   help="train: offload_optimizer.ratio for zero3 (1.0: none of the optimizer state on the GPU)")
     p.add_argument("--engine", choices=["zero3", "deepspeed"], default="zero3",
                    help="train: DeepSpeed runs the same model and JSON (its ZeRO-Infinity with --tier nvme)")
     p.add_argument("--gpu-budget-gib", type=float, default=12.0,
@@ -197,6 +199,8 @@ def train_config(args: argparse.Namespace, folder: Path, host_budget: int | None
     optimizer = {"device": "cpu", "pin_memory": args.device == "cuda"}
     if args.tier == "nvme":
         optimizer.update(device="nvme", nvme_path=str(folder), buffer_count=args.buffers)
+    if args.ratio is not None:
+        optimizer["ratio"] = args.ratio
     config = {"train_micro_batch_size_per_gpu": args.micro_batch, "gradient_accumulation_steps": 1,
               "gradient_clipping": 1.0, "bf16": {"enabled": True},
               "zero_optimization": {"stage": 3, "sub_group_size": args.sub_group_mib * MIB // 4,
@@ -254,7 +258,7 @@ def train_case(args: argparse.Namespace, folder: Path, host_budget: int | None =
     waited = dict(getattr(swap, "waited", {}))
     pager = getattr(swap, "pager", None)
     moved = (pager.io.bytes_read + pager.io.bytes_written) / GIB if pager is not None else 0.0
-    row = {"case": f"train_{args.tier}", "engine": "zero3", "device": args.device,
+    row = {"case": f"train_{args.tier}" + ("" if args.ratio is None else f"_ratio{args.ratio:g}"), "engine": "zero3", "device": args.device,
            "params_b": sum(p.numel() for p in model.parameters()) / 1e9,
            "host_share": args.host_share if args.tier == "nvme" else 1.0,
            "step_s": statistics.median(times[args.warmup:]), "steps": times, "losses": losses[:3],
@@ -280,6 +284,7 @@ def deepspeed_train_case(args: argparse.Namespace, folder: Path) -> dict:
     model = build_gpt(args, torch.bfloat16)
     config = train_config(args, folder, None)
     del config["placement"]  # zero3's own section
+    config["zero_optimization"]["offload_optimizer"].pop("ratio", None)  # DeepSpeed's applies to "cpu" alone
     config.update(optimizer={"type": "AdamW", "params": {"lr": 1e-4}}, steps_per_print=10**9)
     if args.tier == "nvme":
         config["zero_optimization"]["offload_optimizer"].update(pipeline_read=True, pipeline_write=True)
@@ -397,15 +402,9 @@ def table(rows_path: str) -> None:
         print(f"zero3 swap ({swap['backend']}): write {swap['write_gbps']:.2f} GB/s "
               f"({swap['write_gbps'] / disk['write_gbps']:.0%} of the disk), read {swap['read_gbps']:.2f} GB/s "
               f"({swap['read_gbps'] / disk['read_gbps']:.0%}); target >= 80%")
-    host, nvme = by.get("train_host"), by.get("train_nvme")
-    if host and nvme:
-        print(f"train {nvme['params_b']:.2f}B params: host tier {host['step_s']:.2f} s/step, "
-              f"{1 - nvme['host_share']:.0%} of the optimizer state on NVMe {nvme['step_s']:.2f} s/step "
-              f"(x{nvme['step_s'] / host['step_s']:.2f}); the NVMe step waited "
-              f"{nvme['swap_wait_s_per_step']} s on swap I/O, moving {nvme['swap_gib_per_step']:.2f} GiB a step")
-
-
-    deepspeed, zero3_nvme = by.get("deepspeed_nvme"), by.get("train_nvme")
+    for suffix in ("", "_ratio1"):
+        _train_line(by.get(f"train_host{suffix}"), by.get(f"train_nvme{suffix}"))
+    deepspeed, zero3_nvme = by.get("deepspeed_nvme"), by.get("train_nvme_ratio1") or by.get("train_nvme")
     if deepspeed:
         line = (f"{deepspeed['engine']} ZeRO-Infinity, {deepspeed['params_b']:.2f}B params, all of the optimizer "
                 f"state on NVMe: {deepspeed['step_s']:.2f} s/step, {deepspeed['disk_gib_per_step']:.1f} GiB of disk I/O a step")
@@ -421,6 +420,15 @@ def table(rows_path: str) -> None:
             print(f"largest, {tier} tier: {row['params_b']:.2f}B params ({row['layers']} layers) trained at "
                   f"{row['step_s']:.1f} s/step, host RSS {row['host_rss_gib']:.0f} GiB of {row['host_capacity_gib']:.0f} "
                   f"planned, swap {row['swap_gib_per_step']:.1f} GiB a step; one more layer: {row['next_refused']}")
+
+
+def _train_line(host: dict | None, nvme: dict | None) -> None:
+    if host and nvme:
+        off_gpu = " (no optimizer state on the GPU)" if "ratio1" in host["case"] else ""
+        print(f"train {nvme['params_b']:.2f}B params{off_gpu}: host tier {host['step_s']:.2f} s/step, "
+              f"{1 - nvme['host_share']:.0%} of the optimizer state on NVMe {nvme['step_s']:.2f} s/step "
+              f"(x{nvme['step_s'] / host['step_s']:.2f}); the NVMe step waited "
+              f"{nvme['swap_wait_s_per_step']} s on swap I/O, moving {nvme['swap_gib_per_step']:.2f} GiB a step")
 
 
 def main() -> None:
