@@ -40,7 +40,8 @@ from torch import nn
 from zero3.config import Zero3Config, from_deepspeed
 from zero3.params.units import persistent_indices
 from zero3.placement.plan import Plan, PlanInputs, UnitSize, make_plan
-from zero3.placement.sizes import param_staging_bytes, state_bytes_per_element, working_set_bytes
+from zero3.placement.sizes import (param_staging_bytes, state_bytes_per_element, state_group_bytes,
+                                   working_set_bytes)
 
 CATEGORIES = ("param_shards", "resident_params", "grad_shards", "masters", "optimizer_state")
 
@@ -260,7 +261,12 @@ def estimate_placement(model: nn.Module | int, world_size: int, config: dict | s
                                 state_nvme=zero.offload_optimizer.nvme, host_budget=parsed.placement.host_budget,
                                 params_nvme=zero.offload_param.nvme, max_in_cpu=zero.offload_param.max_in_cpu,
                                 param_staging_bytes=param_staging_bytes(zero.offload_param, width,
-                                                                        [u.param_bytes for u in sizes])))
+                                                                        [u.param_bytes for u in sizes]),
+                                state_staging_buffers=zero.offload_optimizer.buffer_count,
+                                state_group_bytes=state_group_bytes(
+                                    zero.sub_group_size,
+                                    max((math.ceil(n / world_size) for _, ps in units for n, t in ps if t), default=0),
+                                    per_state - master_width)))
     return PlacementEstimate(plan, activation_bytes)
 
 

@@ -87,6 +87,10 @@ def nvme_run(rank: int, world: int, folder: str, nvme: str, leftover: str):
 
     on_nvme = build(config_for("nvme", nvme))
     results["leftover_cleared"] = not Path(leftover).exists()
+    swap = on_nvme.optimizer.swap
+    alignment = swap.pager.pool.count * 4096 * max(len(g.regions) for g in swap.groups)  # direct I/O rounds each tensor
+    results["staging"] = (on_nvme.placement.plan.state_staging_bytes, swap.pager.pool.nbytes, alignment,
+                          on_nvme.placement.plan.nvme_bytes)
     swap_folder = on_nvme.optimizer.swap.folder.path
     losses = train(on_nvme, rank, world, 0, 2)
     on_nvme.save_checkpoint(folder, tag="nvme_half")
@@ -167,6 +171,8 @@ def test_nvme_tier_is_exact_survives_a_full_disk_and_cleans_up(tmp_path):
         assert r["nvme_losses"] and r["nvme_state"] == [] and r["nvme_tiers"] == {"nvme"}, (rank, r["nvme_plan"])
         assert "lock" in r["swap_files"] and any(n.endswith(".swp") for n in r["swap_files"]), r["swap_files"]
         assert r["removed_at_destroy"], rank
+        charged, pool, alignment, in_files = r["staging"]  # the plan's host bytes count the staging buffers
+        assert pool - alignment <= charged <= 3 * in_files and charged > 0, (rank, r["staging"])
         assert r["three_tiers"] == {"device", "host", "nvme"}, (rank, r["three_plan"])
         assert r["three_losses"] and r["three_state"] == [], (rank, r["three_state"])
         assert r["host_from_nvme"] == (True, []) and r["nvme_from_host"] == (True, []), rank

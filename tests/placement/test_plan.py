@@ -239,3 +239,22 @@ def test_parameter_shards_past_max_in_cpu_go_to_nvme_and_stay_there():
         "embed": "device", "block0": "device", "block1": "nvme", "head": "nvme"}
     assert widened(plan, replan, PlanInputs(units, True, True, budget=10**6)).params_tier("head") is Tier.NVME
     assert planned(0).describe().count("NVMe") == 1 and plan_under(None).describe().count("NVMe") == 0
+
+
+def test_optimizer_sides_on_nvme_charge_their_staging_buffers_to_the_host():
+    """Rule 4's staging: buffer_count buffers of the largest swap group, bounded by the group
+    bound and by what the swap files hold, are in host_bytes; none without an NVMe unit."""
+    units = tuple(UnitSize(u.name, u.param_bytes, u.state_bytes, u.gathered_bytes, grad_bytes=u.state_bytes // 4,
+                           swap_bytes=u.state_bytes * 3 // 4) for u in UNITS)  # block0 300 in files, head 60
+
+    def planned(host_budget, group_bytes):
+        return make_plan(PlanInputs(units, True, True, None, None, RESIDENT, WORKING, "test", state_nvme=True,
+                                    host_budget=host_budget, state_staging_buffers=3, state_group_bytes=group_bytes))
+
+    plan = planned(400, 120)  # block0 stays on the host; block1 (300 in files) and the head (60) on NVMe
+    assert [u.state.value for u in plan.units] == ["host", "host", "nvme", "nvme"]
+    assert plan.nvme_bytes == 360 and plan.state_staging_bytes == 3 * 120
+    assert plan.host_bytes == 210 + 400 + 100 + 20 + 3 * 120  # shards, host side, NVMe units' gradients, staging
+    assert planned(400, None).state_staging_bytes == 3 * 360  # no bound: one group of the whole tier
+    assert planned(480, 1000).state_staging_bytes == 3 * 300  # no more than the files hold
+    assert planned(10**6, 120).state_staging_bytes == 0  # everything on the host: no swap files, no buffers

@@ -35,7 +35,7 @@ from zero3.params.wire import gather_rows
 from zero3.placement.budget import BudgetChoice, choose_budget, measured_budget
 from zero3.placement.devices import Placement
 from zero3.placement.plan import Plan, PlacementError, PlanInputs, Tier, UnitSize, make_plan, widened
-from zero3.placement.sizes import param_staging_bytes, state_bytes_per_element, working_set_bytes
+from zero3.placement.sizes import param_staging_bytes, state_bytes_per_element, state_group_bytes, working_set_bytes
 from zero3.platform.collectives import Communicator
 
 logger = logging.getLogger("zero3")
@@ -141,6 +141,10 @@ def plan_inputs(config: Zero3Config, table: dict, units: list[FetchUnit], optimi
         max_in_cpu=zero.offload_param.max_in_cpu,
         param_staging_bytes=param_staging_bytes(zero.offload_param, rules.width, [u.param_bytes for u in sizes]),
         nvme_param_units=nvme_params,
+        state_staging_buffers=zero.offload_optimizer.buffer_count,
+        state_group_bytes=state_group_bytes(
+            zero.sub_group_size, max((sp.shard_numel for sp in table.values() if sp.requires_grad), default=0),
+            rules.per_state_element - rules.grad_width),
     )
 
 

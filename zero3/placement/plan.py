@@ -36,7 +36,9 @@ Rules, in this order:
    host stay there, in forward order, while they fit `host_budget` (None: none do, all go to
    NVMe, as DeepSpeed puts all of it there); the rest are on the NVMe tier: their masters
    (unless the master is the shard itself) and optimizer state live in swap files, their
-   gradient shards on the host (`UnitSize.swap_bytes` is the part in files).
+   gradient shards on the host (`UnitSize.swap_bytes` is the part in files); the host also
+   holds `state_staging_buffers` staging buffers of the largest swap group (`state_group_bytes`
+   bounds it), charged in `host_bytes` (`host_budget` bounds the optimizer sides alone).
 5. With the parameter shards offloaded to NVMe (`params_nvme`, offload_param.device "nvme"),
    the parameter shards left on the host stay there, whole units in forward order, while
    their elements fit `max_in_cpu` (DeepSpeed's count of parameter elements kept in host
@@ -151,6 +153,8 @@ class PlanInputs:
     max_in_cpu: int = 0  # parameter elements the host keeps with params_nvme
     param_staging_bytes: int = 0  # the staging buffers' host bytes with params_nvme
     nvme_param_units: tuple[str, ...] | None = None  # a re-plan: their shards stay on NVMe, no other joins
+    state_staging_buffers: int = 0  # offload_optimizer.buffer_count with state_nvme
+    state_group_bytes: int | None = None  # bound on one swap group (sizes.state_group_bytes; None: none)
 
 
 @dataclass(frozen=True)
@@ -167,6 +171,7 @@ class Plan:
     nvme_param_bytes: int = 0
     working_bytes: int = 0
     reserve: int = 0
+    state_staging_bytes: int = 0  # host bytes of the optimizer NVMe tier's staging buffers (in host_bytes)
     by_name: dict[str, UnitPlacement] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -308,8 +313,18 @@ def _counted(inputs: PlanInputs, params: dict[str, Tier], state: dict[str, Tier]
     nvme_params = sum(u.param_bytes for u in units if params[u.name] is Tier.NVME)
     if nvme_params:
         host += inputs.param_staging_bytes
-    return Plan(placed, inputs.budget, device, host, fixed, inputs.budget_source, nvme, nvme_params,
-                inputs.working_bytes, inputs.reserve)
+    staging = _state_staging_bytes(inputs, nvme)
+    return Plan(placed, inputs.budget, device, host + staging, fixed, inputs.budget_source, nvme, nvme_params,
+                inputs.working_bytes, inputs.reserve, staging)
+
+
+def _state_staging_bytes(inputs: PlanInputs, nvme: int) -> int:
+    """The optimizer NVMe tier's staging buffers: `buffer_count` of the largest swap group,
+    which is at most the group bound and at most what the swap files hold."""
+    if not nvme:
+        return 0
+    group = nvme if inputs.state_group_bytes is None else min(nvme, inputs.state_group_bytes)
+    return inputs.state_staging_buffers * group
 
 
 def _ratio_tiers(units: tuple[UnitSize, ...], ratio: float) -> dict[str, Tier]:

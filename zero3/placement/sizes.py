@@ -13,6 +13,10 @@ engine will make.
 - with offload_param.device "nvme": the staging buffers, `buffer_count` of them, each
   `buffer_size` elements of the compute dtype, at most the largest unit's shards (the pool
   is cut to what a swap group can hold), in host memory;
+- with offload_optimizer.device "nvme": the staging buffers, `buffer_count` of them, each
+  the largest swap group (a sub-group's masters and optimizer state less its gradient): at
+  most max(sub_group_size, the largest trainable shard) elements, and no more than the
+  swap files hold (direct I/O's 4 KiB alignment of each tensor aside), in host memory;
 - the working set: gathered units (at most stage3_max_live_parameters elements, at least
   the two largest units: one running, one prefetched) and two gradient buckets (one being
   filled, one being reduced) in the reduce dtype.
@@ -49,3 +53,13 @@ def param_staging_bytes(offload: OffloadConfig, width: int, unit_param_bytes: li
     if not offload.nvme:
         return 0
     return offload.buffer_count * min(offload.buffer_size * width, max(unit_param_bytes, default=0))
+
+
+def state_group_bytes(sub_group_numel: int, largest_trainable_shard_numel: int, swap_width: int) -> int | None:
+    """Bound on the optimizer NVMe tier's largest swap group in bytes, from sizes: a sub-group
+    holds whole parameters, at most `sub_group_numel` elements unless one parameter is larger;
+    `swap_width`: bytes a trainable element swaps (master and state, not the gradient).
+    None: no bound (sub_group_size 0 makes one group of the whole tier)."""
+    if sub_group_numel <= 0:
+        return None
+    return max(sub_group_numel, largest_trainable_shard_numel) * swap_width
