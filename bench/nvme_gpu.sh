@@ -9,11 +9,12 @@
 #   4. largest (LARGEST=1) the largest 4096-wide GPT the planner fits on this machine with the
 #             optimizer state on the host, then with NVMe beside it, each trained 2 steps
 #   5. versus (VERSUS=1) one model (VERSUS_MODEL, default a 0.94B GPT: width 2048, 16 blocks) with
-#             its optimizer state off the GPU (ratio 1): zero3 on the host, zero3 all on NVMe
-#             (--host-share 0), zero3 all-NVMe under its own GPU placement, then DeepSpeed 0.19.8's
+#             its optimizer state off the GPU (ratio 1): zero3 all on NVMe (--host-share 0), then
+#             DeepSpeed 0.19.8's
 #             ZeRO-Infinity (carried in .whl, DS_BUILD_OPS=0: its CPU Adam and async_io ops are
 #             built at first use against libaio unpacked into .whl/libaio from the libaio1 and
-#             libaio-dev .deb files, `dpkg -x`), and zero3's host tier beside them
+#             libaio-dev .deb files, `dpkg -x`), zero3's host tier beside them, and zero3 all-NVMe
+#             under its own GPU placement
 #   then the table of ratios. TRAIN=0 skips 3; LARGEST_TIERS="nvme" runs 4 for one tier.
 # NVME_DIR: a folder on the drive to measure (default: a folder under /tmp, i.e. the disk /tmp
 # is on). KvikIO: carry kvikio_cu13, libkvikio_cu13 and rapids_logger wheels in .whl/
@@ -56,8 +57,8 @@ if [ "${VERSUS:-0}" = 1 ]; then
     versus="${VERSUS_MODEL:---width 2048 --layers 16} --seq 1024 --micro-batch 4 --steps 2 --warmup 1 --dir $dir \
         --threads ${THREADS:-8} --block-mib ${BLOCK_MIB:-8} --rows $rows"
     export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST_DS:-9.0}  # DeepSpeed's JIT builder reads no "9.0a"
-    for run in "--tier host --ratio 1" "--tier nvme --host-share 0 --ratio 1" "--tier nvme --host-share 0" \
-            "--tier nvme --engine deepspeed"; do
+    for run in "--tier nvme --host-share 0 --ratio 1" "--tier nvme --engine deepspeed" "--tier host --ratio 1" \
+            "--tier nvme --host-share 0"; do
         timeout ${VERSUS_TIMEOUT:-240} python3 bench/nvme_bench.py train $versus $run 2>&1 | grep -v Warning \
             | tail -5 | tee -a "$out/nvme_versus.log"
     done
