@@ -15,7 +15,7 @@
 #             built at first use against libaio unpacked into .whl/libaio from the libaio1 and
 #             libaio-dev .deb files, `dpkg -x`), zero3's host tier beside them, and zero3 all-NVMe
 #             under its own GPU placement
-#   then the table of ratios. TRAIN=0 skips 3; LARGEST_TIERS="nvme" runs 4 for one tier.
+#   then the table of ratios. IO=0 skips 1 and 2, TRAIN=0 skips 3, VERSUS_ALL=0 keeps 5's first pair; LARGEST_TIERS="nvme" runs 4 for one tier.
 # NVME_DIR: a folder on the drive to measure (default: a folder under /tmp, i.e. the disk /tmp
 # is on). KvikIO: carry kvikio_cu13, libkvikio_cu13 and rapids_logger wheels in .whl/
 # (pip download --no-deps kvikio-cu13==26.10.0 libkvikio-cu13==26.10.0 rapids-logger==0.3.0);
@@ -33,8 +33,8 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 df -h "$dir" | tail -1
 free -g | head -2
 io="--dir $dir --gib ${GIB:-8} --threads ${THREADS:-8}"
-timeout 120 python3 bench/nvme_bench.py disk $io --chunk-mib 64 --rows "$rows" 2>&1 | tee "$out/nvme_disk.log"
-timeout 120 python3 bench/nvme_bench.py swap $io --group-mib 256 --block-mib ${BLOCK_MIB:-8} --queue-depth 8 \
+[ "${IO:-1}" = 1 ] && timeout 120 python3 bench/nvme_bench.py disk $io --chunk-mib 64 --rows "$rows" 2>&1 | tee "$out/nvme_disk.log"
+[ "${IO:-1}" = 1 ] && timeout 120 python3 bench/nvme_bench.py swap $io --group-mib 256 --block-mib ${BLOCK_MIB:-8} --queue-depth 8 \
     --buffers 4 --rows "$rows" 2>&1 | tee "$out/nvme_swap.log"
 model="--width ${WIDTH:-3072} --layers ${LAYERS:-24} --seq 1024 --micro-batch 4 --steps ${STEPS:-4} --warmup 1"
 for tier in $([ "${TRAIN:-1}" = 1 ] && echo host nvme); do
@@ -57,8 +57,9 @@ if [ "${VERSUS:-0}" = 1 ]; then
     versus="${VERSUS_MODEL:---width 2048 --layers 16} --seq 1024 --micro-batch 4 --steps 2 --warmup 1 --dir $dir \
         --threads ${THREADS:-8} --block-mib ${BLOCK_MIB:-8} --rows $rows"
     export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST_DS:-9.0}  # DeepSpeed's JIT builder reads no "9.0a"
-    for run in "--tier nvme --host-share 0 --ratio 1" "--tier nvme --engine deepspeed" "--tier host --ratio 1" \
-            "--tier nvme --host-share 0"; do
+    runs=("--tier nvme --host-share 0 --ratio 1" "--tier nvme --engine deepspeed")
+    [ "${VERSUS_ALL:-1}" = 1 ] && runs+=("--tier host --ratio 1" "--tier nvme --host-share 0")
+    for run in "${runs[@]}"; do
         timeout ${VERSUS_TIMEOUT:-240} python3 bench/nvme_bench.py train $versus $run 2>&1 | grep -v Warning \
             | tail -5 | tee -a "$out/nvme_versus.log"
     done
