@@ -7,6 +7,7 @@ from the last checkpoint."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -34,6 +35,24 @@ def hold_swap_folder(nvme: Path, rank: int) -> tuple[subprocess.Popen, Path]:
     proc = subprocess.Popen([sys.executable, "-c", HOLD_FOLDER, str(nvme), str(rank)], stdout=subprocess.PIPE,
                             env=env, text=True)
     return proc, Path(proc.stdout.readline().strip())
+
+
+def beside_a_live_and_a_killed_run(nvme: Path, run: Callable[[Path], Any]) -> tuple[Any, Path]:
+    """`run(leftover)`'s result, run while one process holds its swap folder under `nvme` and
+    another's folder (`leftover`) is what a SIGKILL left; the live one's must survive the run.
+    Returns the result and the live folder (the leftover's fate is the caller's to check)."""
+    live, held = hold_swap_folder(nvme, 8)
+    killed, leftover = hold_swap_folder(nvme, 7)
+    killed.send_signal(signal.SIGKILL)  # a killed run: its folder stays, its lock dies with it
+    killed.wait()
+    try:
+        assert leftover.exists() and held.exists()
+        results = run(leftover)
+        assert held.exists(), "a live run's swap folder was removed"
+    finally:
+        live.kill()
+        live.wait()
+    return results, held
 
 
 def train_in_compute_dtype(engine, rank: int, world: int, first: int, last: int, ga: int, micro: int,

@@ -21,14 +21,13 @@ cleared by the next start, and a live run's folder is left alone.
 from __future__ import annotations
 
 import os
-import signal
 from pathlib import Path
 
 import pytest
 import torch
 from common import make_model, optimizer_tensors, two_param_groups
 from harness import run_ranks
-from nvme_cases import (full_disk_then_resume, hold_swap_folder, missing_on_one_rank, setup_error,
+from nvme_cases import (beside_a_live_and_a_killed_run, full_disk_then_resume, missing_on_one_rank, setup_error,
                         train_in_compute_dtype)
 
 MICRO, GA, STEPS = 4, 2, 4
@@ -155,17 +154,8 @@ def cross_loads(rank: int, world: int, folder: str, nvme: str, expected: list, r
 def test_nvme_tier_is_exact_survives_a_full_disk_and_cleans_up(tmp_path):
     nvme = tmp_path / "nvme"
     nvme.mkdir()
-    live, held = hold_swap_folder(nvme, 8)
-    killed, leftover = hold_swap_folder(nvme, 7)  # (it leaves the live run's folder alone too)
-    killed.send_signal(signal.SIGKILL)  # a killed run: its folder stays, its lock dies with it
-    killed.wait()
-    try:
-        assert leftover.exists() and held.exists()
-        results = run_ranks(nvme_run, 2, str(tmp_path / "ckpt"), str(nvme), str(leftover), timeout=500)
-        assert held.exists(), "a live run's swap folder was removed"
-    finally:
-        live.kill()
-        live.wait()
+    results, held = beside_a_live_and_a_killed_run(
+        nvme, lambda leftover: run_ranks(nvme_run, 2, str(tmp_path / "ckpt"), str(nvme), str(leftover), timeout=500))
     for rank, r in enumerate(results):
         assert r["leftover_cleared"], rank
         assert r["nvme_losses"] and r["nvme_state"] == [] and r["nvme_tiers"] == {"nvme"}, (rank, r["nvme_plan"])
