@@ -218,7 +218,8 @@ class Plan:
                    if self.reserve else "") + "), "
                 f"host {self.host_bytes / GIB:.2f} GiB"
                 + (f"; optimizer state of {c['state_on_nvme']}/{c['trainable']} trainable units on NVMe, "
-                   f"{self.nvme_bytes / GIB:.2f} GiB in swap files" if c["state_on_nvme"] else "")
+                   f"{self.nvme_bytes / GIB:.2f} GiB in swap files (staged through "
+                   f"{self.state_staging_bytes / GIB:.2f} GiB of host buffers)" if c["state_on_nvme"] else "")
                 + (f"; parameter shards of {c['params_on_nvme']}/{c['units']} units on NVMe, "
                    f"{self.nvme_param_bytes / GIB:.2f} GiB in swap files" if c["params_on_nvme"] else ""))
 
