@@ -254,6 +254,9 @@ def estimate_placement(model: nn.Module | int, world_size: int, config: dict | s
         sum(math.ceil(n / world_size) * world_size for _, params in units for n, t in params if t),
         parsed.zero.reduce_bucket_size, reduce_width)
     zero = parsed.zero
+    # a bare count has no tensor sizes: its tensors are taken as no larger than a sub-group
+    largest_trainable = 0 if isinstance(model, int) else max(
+        (math.ceil(n / world_size) for _, params in units for n, t in params if t), default=0)
     plan = make_plan(PlanInputs(sizes, zero.offload_param.enabled, zero.offload_optimizer.enabled,
                                 zero.offload_optimizer.ratio, budget, sum(numels[i] for i in chosen) * width,
                                 working, "given" if budget is not None else "none",
@@ -264,9 +267,7 @@ def estimate_placement(model: nn.Module | int, world_size: int, config: dict | s
                                                                         [u.param_bytes for u in sizes]),
                                 state_staging_buffers=zero.offload_optimizer.buffer_count,
                                 state_group_bytes=state_group_bytes(
-                                    zero.sub_group_size,
-                                    max((math.ceil(n / world_size) for _, ps in units for n, t in ps if t), default=0),
-                                    per_state - master_width)))
+                                    zero.sub_group_size, largest_trainable, per_state - master_width)))
     return PlacementEstimate(plan, activation_bytes)
 
 
