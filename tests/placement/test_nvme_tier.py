@@ -101,6 +101,10 @@ def nvme_run(rank: int, world: int, folder: str, nvme: str, leftover: str):
     results["removed_at_destroy"] = not swap_folder.exists()
     results.update(three_tier_run(rank, world, nvme, expected, reference))
     results.update(cross_loads(rank, world, folder, nvme, expected, reference))
+    huge = config_for("nvme", nvme)
+    huge["zero_optimization"]["offload_optimizer"]["buffer_count"] = 10**8  # far more than any host has
+    error = setup_error(lambda: build(huge))  # this process's swap folders are named by its pid
+    results["staging_beyond_host"] = (error, sorted(str(p) for p in Path(nvme).rglob(f"*-pid{os.getpid()}-*")))
     results["missing"] = missing_on_one_rank(rank, nvme, lambda path: setup_error(lambda: build(config_for("nvme", path))))
     results.update(full_disk_then_resume(
         lambda seed: build(config_for("nvme", nvme, overlap=False), seed=seed),
@@ -166,6 +170,9 @@ def test_nvme_tier_is_exact_survives_a_full_disk_and_cleans_up(tmp_path):
         assert r["three_tiers"] == {"device", "host", "nvme"}, (rank, r["three_plan"])
         assert r["three_losses"] and r["three_state"] == [], (rank, r["three_state"])
         assert r["host_from_nvme"] == (True, []) and r["nvme_from_host"] == (True, []), rank
+        error, files = r["staging_beyond_host"]  # refused before any folder, file or buffer is made
+        assert "SwapSetupError" in error and "buffer_count" in error and "sub_group_size" in error, error
+        assert "GiB is available" in error and files == [], (error, files)
         assert "SwapSetupError" in r["missing"] and "does not exist" in r["missing"], r["missing"]
         assert "File too large" in r["full_error"] and "nvme_path" in r["full_error"], r["full_error"]
         assert r["full_removed"] and r["full_resumed"] == (True, []), (rank, r["full_resumed"])

@@ -31,12 +31,12 @@ be done with them by then, which the one-save-in-flight rule of async_save.py en
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 import torch
 
 from zero3.checkpoint.errors import CheckpointError
 from zero3.checkpoint.files import TensorSpec
+from zero3.platform.memory import available_host_bytes
 
 ALIGN = 64
 # Left free beside the snapshot, so that the rest of the process and the page cache of the
@@ -47,17 +47,6 @@ HEADROOM_BYTES = 1 << 30
 def snapshot_bytes(specs: Sequence[TensorSpec]) -> int:
     """Host bytes a snapshot of `specs` takes (each tensor's bytes, 64-byte aligned)."""
     return sum(_aligned(spec.nbytes) for spec in specs)
-
-
-def available_host_bytes() -> int | None:
-    """MemAvailable of /proc/meminfo in bytes; None where the system does not say."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
 
 
 class HostSnapshot:

@@ -58,6 +58,7 @@ from zero3.nvme.folder import SwapFolder, SwapSetupError
 from zero3.nvme.io import IssueSettings, SwapIO
 from zero3.nvme.pager import GroupPager
 from zero3.optim.state_probe import foreseen_state
+from zero3.platform.memory import available_host_bytes
 from zero3.placement.plan import Tier
 
 
@@ -180,6 +181,11 @@ class OptimizerSwap:
 
     def _prepare(self, rank: int, needed: int) -> str | None:
         """This rank's folder, I/O and buffers; the error text instead of raising."""
+        largest = max((group.nbytes for group in self.groups), default=0)
+        count = self.offload.buffer_count if self.groups else 0
+        too_big = staging_beyond_host(count, largest)
+        if too_big:
+            return too_big
         try:
             self.folder, cleared = SwapFolder.create(self.offload.nvme_path, rank, needed)
         except (SwapSetupError, OSError) as exc:
@@ -188,8 +194,6 @@ class OptimizerSwap:
             logger.warning("zero3: removed the swap folder %s of a run that did not end cleanly; "
                            "its files were never read", path)
         files, why = open_files(self.backend, self.folder.path, self.settings.threads, self.settings.block_size)
-        largest = max((group.nbytes for group in self.groups), default=0)
-        count = self.offload.buffer_count if self.groups else 0
         pool = BufferPool(count, largest, pin=self.offload.pin_memory)
         paths = [self.folder.file(f"group{g:05d}.swp") for g in range(len(self.groups))]
         self.pager = GroupPager(SwapIO(files, self.settings), pool, paths, [g.nbytes for g in self.groups])
@@ -367,6 +371,18 @@ class OptimizerSwap:
                 self.folder.remove()
             self.pager = None
             self.folder = None
+
+
+def staging_beyond_host(count: int, group_bytes: int) -> str | None:
+    """Why `count` staging buffers of `group_bytes` cannot be had (more than the host has
+    available), or None; checked before anything is allocated or created."""
+    need, available = count * aligned_bytes(group_bytes), available_host_bytes()
+    if available is None or need <= available:
+        return None
+    return (f"offload_optimizer nvme: {count} staging buffers (offload_optimizer.buffer_count) of the largest swap "
+            f"group, {group_bytes / 2**30:.2f} GiB of masters and optimizer state, need {need / 2**30:.2f} GiB of "
+            f"host memory and {available / 2**30:.2f} GiB is available; lower zero_optimization.sub_group_size "
+            f"(a swap group holds at most that many elements, or one larger parameter) or buffer_count")
 
 
 def attached(swap: OptimizerSwap | None, optimizer: SteppedOptimizer) -> OptimizerSwap | NoSwap:

@@ -37,8 +37,9 @@ Rules, in this order:
    NVMe, as DeepSpeed puts all of it there); the rest are on the NVMe tier: their masters
    (unless the master is the shard itself) and optimizer state live in swap files, their
    gradient shards on the host (`UnitSize.swap_bytes` is the part in files); the host also
-   holds `state_staging_buffers` staging buffers of the largest swap group (`state_group_bytes`
-   bounds it), charged in `host_bytes` (`host_budget` bounds the optimizer sides alone).
+   holds `state_staging_buffers` staging buffers of the largest swap group, charged in
+   `host_bytes` at its bound (`state_group_bytes`; an upper bound: with the overlapped host step
+   sub-groups also end at unit boundaries) while `host_budget` bounds the optimizer sides alone.
 5. With the parameter shards offloaded to NVMe (`params_nvme`, offload_param.device "nvme"),
    the parameter shards left on the host stay there, whole units in forward order, while
    their elements fit `max_in_cpu` (DeepSpeed's count of parameter elements kept in host
@@ -218,8 +219,8 @@ class Plan:
                    if self.reserve else "") + "), "
                 f"host {self.host_bytes / GIB:.2f} GiB"
                 + (f"; optimizer state of {c['state_on_nvme']}/{c['trainable']} trainable units on NVMe, "
-                   f"{self.nvme_bytes / GIB:.2f} GiB in swap files (staged through "
-                   f"{self.state_staging_bytes / GIB:.2f} GiB of host buffers)" if c["state_on_nvme"] else "")
+                   f"{self.nvme_bytes / GIB:.2f} GiB in swap files (staged through at "
+                   f"most {self.state_staging_bytes / GIB:.2f} GiB of host buffers)" if c["state_on_nvme"] else "")
                 + (f"; parameter shards of {c['params_on_nvme']}/{c['units']} units on NVMe, "
                    f"{self.nvme_param_bytes / GIB:.2f} GiB in swap files" if c["params_on_nvme"] else ""))
 
