@@ -21,6 +21,9 @@ A case is `kind:micro_batch`:
 - `plain_bf16`: plain PyTorch, a bf16 model with fused AdamW (the ceiling, half the bytes);
 - `plain_autocast`: plain PyTorch, an fp32 model under bf16 autocast with fused AdamW (zero3's
   arithmetic).
+A zero3 or plain kind with `+compile` (`auto+compile:4`, `plain_bf16+compile:2`) runs compiled:
+zero3's `engine.compile()` (each fetch unit's forward), plain PyTorch's `model.compile()`; the
+warm-up steps take the compilation.
 Every case builds a Llama (transformers' LlamaForCausalLM, random weights) on the GPU from the
 same seed, trains on the same random tokens (decoder layers as zero3 leaf units, the config's
 AdamW), `--ga N` accumulates N micro-batches per optimizer step (a step's time covers all N),
@@ -106,14 +109,16 @@ def zero3_case(args, kind: str, micro: int):
     config = {"train_micro_batch_size_per_gpu": micro, "gradient_clipping": 1.0, "bf16": {"enabled": True},
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "weight_decay": 0.0}}, "steps_per_print": None,
               "zero_optimization": zero, "gradient_accumulation_steps": args.ga}
-    if kind != "resident":
+    if kind.removesuffix("+compile") != "resident":
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     if kind.startswith("budget="):
-        config["placement"] = {"gpu_budget": int(float(kind.split("=")[1]) * (1 << 30))}
+        config["placement"] = {"gpu_budget": int(float(kind.removesuffix("+compile").split("=")[1]) * (1 << 30))}
     model = _Wrapped(model)
     zero3.set_z3_leaf_modules(model, [LlamaDecoderLayer])
     engine, *_ = zero3.initialize(model=model, config=config)
+    if kind.endswith("+compile"):
+        engine.compile()
 
     calls = [0]
 
@@ -191,13 +196,15 @@ def deepspeed_case(args, kind: str, micro: int):
 
 def plain_case(args, kind: str, micro: int):
     model = build_llama(args)
-    if kind == "plain_bf16":
+    if kind.startswith("plain_bf16"):
         model = model.to(torch.bfloat16)
+    if kind.endswith("+compile"):
+        model.compile()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0, fused=True)
 
     def step(batches):
         for tokens in batches:
-            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=kind == "plain_autocast"):
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=kind.startswith("plain_autocast")):
                 loss = loss_of(model, tokens)
             (loss / len(batches)).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -210,6 +217,8 @@ def plain_case(args, kind: str, micro: int):
 
 def run_case(args, kind: str, micro: int, params: int) -> dict:
     builder = plain_case if kind.startswith("plain") else deepspeed_case if kind.startswith("ds_") else zero3_case
+    if kind.endswith("+compile") and builder is deepspeed_case:
+        raise ValueError(f"{kind}: +compile is for the zero3 and plain kinds")
     torch.cuda.empty_cache()
     started = time.perf_counter()
     step, describe, close = builder(args, kind, micro)
