@@ -1,8 +1,8 @@
 """Scenarios both NVMe tiers are tested under (tests/placement/test_nvme_tier.py for the
 optimizer state, test_param_nvme.py for the parameter shards), each over its own tier's
-engine: training with inputs in the compute dtype, a swap folder held by a live run or left by a killed one, a setup error as text,
-an nvme_path missing on one rank, a swap write that fails for a full disk and the resume
-from the last checkpoint."""
+engine: training with inputs in the compute dtype, a swap folder held by a live run or left
+by a killed one, a setup error as text, an nvme_path missing on one rank, a swap write that
+fails for a full disk and the resume from the last checkpoint."""
 
 from __future__ import annotations
 

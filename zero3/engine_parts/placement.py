@@ -199,9 +199,8 @@ def settle_parameters(table: dict[torch.nn.Parameter, ShardedParam], units: list
     (resident, stepped in place) unless the placement is `provisional` (the measured plan
     that follows moves pieces either way; it aliases what it keeps on the device); other
     non-persistent parameters are released and persistent ones that arrived partitioned are
-    gathered. Last, the shards of the NVMe tier
-    go to their swap files (params/nvme_shards.py; returned, None without the tier).
-    Collective (those gathers, the swap folder's checks)."""
+    gathered. Last, the shards of the NVMe tier go to their swap files (params/nvme_shards.py;
+    returned, None without the tier). Collective (those gathers, the swap folder's checks)."""
     device = placement.compute_device
     offload = config.zero.offload_param
     for sp in table.values():

@@ -28,12 +28,14 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch
 
 logger = logging.getLogger("zero3")
+T = TypeVar("T")
 
 ALIGN = 4096
 
@@ -56,6 +58,18 @@ def _view(buffer: torch.Tensor) -> memoryview:
     return memoryview(buffer.numpy()).cast("B")
 
 
+def _opened_once(handles: dict[Path, T], lock: threading.Lock, path: Path, open_path: Callable[[Path], T]) -> T:
+    """`handles[path]`, opened by `open_path` under `lock` by the first caller that needs it
+    (the read outside the lock is safe: an entry is written once, before it is read)."""
+    handle = handles.get(path)
+    if handle is not None:
+        return handle
+    with lock:
+        if path not in handles:
+            handles[path] = open_path(path)
+        return handles[path]
+
+
 class PosixFiles:
     """os.preadv / os.pwritev on descriptors kept open per path (O_DIRECT where it works)."""
 
@@ -67,13 +81,7 @@ class PosixFiles:
         self._opening = threading.Lock()
 
     def _fd(self, path: Path) -> int:
-        fd = self._fds.get(path)
-        if fd is not None:
-            return fd
-        with self._opening:
-            if path not in self._fds:
-                self._fds[path] = self._open(path)
-            return self._fds[path]
+        return _opened_once(self._fds, self._opening, path, self._open)
 
     def _open(self, path: Path) -> int:
         flags = os.O_RDWR | os.O_CREAT
@@ -118,17 +126,12 @@ class KvikioFiles:
         self._opening = threading.Lock()
 
     def _file(self, path: Path):
-        handle = self._files.get(path)
-        if handle is not None:
-            return handle
-        with self._opening:
-            handle = self._files.get(path)
-            if handle is None:
-                if not path.exists():
-                    path.touch(mode=0o600)
-                handle = self._kvikio.CuFile(path, "r+")
-                self._files[path] = handle
-            return handle
+        return _opened_once(self._files, self._opening, path, self._open)
+
+    def _open(self, path: Path):
+        if not path.exists():
+            path.touch(mode=0o600)
+        return self._kvikio.CuFile(path, "r+")
 
     def pread(self, path: Path, buffer: torch.Tensor, offset: int) -> int:
         handle = self._file(path)  # held until the read is done
