@@ -25,7 +25,8 @@ appends it to --rows):
   the plan's host bytes). Reports the median step, the time the step waited on swap reads and
   writes, the bytes per step, and the placement line. `--engine deepspeed` runs the same model
   and JSON under DeepSpeed (installed apart): ZeRO-Infinity with `--tier nvme` (all of its
-  optimizer state on NVMe, pipelined reads and writes), beside zero3 at `--host-share 0`.
+  optimizer state on NVMe, its read and write pipelining on unless `--ds-pipeline 0`), beside
+  zero3 at `--host-share 0`.
 - `largest`: the largest GPT of --width (4096: a 7B-class shape) whose full fine-tune fits this
   machine with --tier's state placement, found by zero3's own planner (`zero3 estimate`'s)
   layer count by layer count: the GPU under --gpu-budget-gib, the host under its available
@@ -71,6 +72,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--block-mib", type=int, default=8, help="aio.block_size")
     p.add_argument("--queue-depth", type=int, default=8)
     p.add_argument("--buffers", type=int, default=4, help="offload_optimizer.buffer_count")
+    p.add_argument("--ds-pipeline", type=int, default=1, choices=(0, 1),
+                   help="DeepSpeed's offload_optimizer pipeline_read/pipeline_write (--engine deepspeed)")
     p.add_argument("--tier", choices=["host", "nvme"], default="nvme")
     p.add_argument("--host-share", type=float, default=0.5)
     p.add_argument("--ratio", type=float, default=None,
@@ -286,13 +289,15 @@ def deepspeed_train_case(args: argparse.Namespace, folder: Path) -> dict:
     del config["placement"]  # zero3's own section
     config["zero_optimization"]["offload_optimizer"].pop("ratio", None)  # DeepSpeed's applies to "cpu" alone
     config.update(optimizer={"type": "AdamW", "params": {"lr": 1e-4}}, steps_per_print=10**9)
-    if args.tier == "nvme":
+    if args.tier == "nvme" and args.ds_pipeline:
         config["zero_optimization"]["offload_optimizer"].update(pipeline_read=True, pipeline_write=True)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     tokens = torch.randint(0, args.vocab, (args.micro_batch, args.seq + 1), device=engine.device)
     disk_before = _disk_bytes()
     times, losses = _train(engine, tokens, args.warmup + args.steps, wait=lambda: None)
-    return {"case": f"deepspeed_{args.tier}", "engine": f"DeepSpeed {deepspeed.__version__}", "device": args.device,
+    pipelined = "_pipelined" if args.tier == "nvme" and args.ds_pipeline else ""
+    return {"case": f"deepspeed_{args.tier}{pipelined}_buffers{args.buffers}",
+            "engine": f"DeepSpeed {deepspeed.__version__}", "device": args.device,
             "params_b": sum(p.ds_numel for p in model.parameters()) / 1e9,
             "host_share": 0.0 if args.tier == "nvme" else 1.0,
             "step_s": statistics.median(times[args.warmup:]), "steps": times, "losses": losses[:3],
@@ -404,10 +409,11 @@ def table(rows_path: str) -> None:
               f"({swap['read_gbps'] / disk['read_gbps']:.0%}); target >= 80%")
     for suffix in ("", "_ratio1"):
         _train_line(by.get(f"train_host{suffix}"), by.get(f"train_nvme{suffix}"))
-    deepspeed, zero3_nvme = by.get("deepspeed_nvme"), by.get("train_nvme_ratio1") or by.get("train_nvme")
-    if deepspeed:
-        line = (f"{deepspeed['engine']} ZeRO-Infinity, {deepspeed['params_b']:.2f}B params, all of the optimizer "
-                f"state on NVMe: {deepspeed['step_s']:.2f} s/step, {deepspeed['disk_gib_per_step']:.1f} GiB of disk I/O a step")
+    zero3_nvme = by.get("train_nvme_ratio1") or by.get("train_nvme")
+    for deepspeed in (r for r in rows if r["case"].startswith("deepspeed_nvme")):
+        line = (f"{deepspeed['engine']} ZeRO-Infinity ({deepspeed['case']}), {deepspeed['params_b']:.2f}B params, all "
+                f"of the optimizer state on NVMe: {deepspeed['step_s']:.2f} s/step, "
+                f"{deepspeed['disk_gib_per_step']:.1f} GiB of disk I/O a step")
         if zero3_nvme and zero3_nvme["params_b"] == deepspeed["params_b"]:
             line += (f"; zero3 with {1 - zero3_nvme['host_share']:.0%} on NVMe {zero3_nvme['step_s']:.2f} s/step, "
                      f"{zero3_nvme['disk_gib_per_step']:.1f} GiB (DeepSpeed / zero3 x{deepspeed['step_s'] / zero3_nvme['step_s']:.2f})")

@@ -10,7 +10,7 @@
 #             optimizer state on the host, then with NVMe beside it, each trained 2 steps
 #   5. versus (VERSUS=1) one model (VERSUS_MODEL, default a 0.94B GPT: width 2048, 16 blocks) with
 #             its optimizer state off the GPU (ratio 1): zero3 all on NVMe (--host-share 0), then
-#             DeepSpeed 0.19.8's
+#             DeepSpeed 0.19.8's (its defaults, then pipelined with 8 buffers)
 #             ZeRO-Infinity (carried in .whl, DS_BUILD_OPS=0: its CPU Adam and async_io ops are
 #             built at first use against libaio unpacked into .whl/libaio from the libaio1 and
 #             libaio-dev .deb files, `dpkg -x`), zero3's host tier beside them, and zero3 all-NVMe
@@ -57,7 +57,10 @@ if [ "${VERSUS:-0}" = 1 ]; then
     versus="${VERSUS_MODEL:---width 2048 --layers 16} --seq 1024 --micro-batch 4 --steps 2 --warmup 1 --dir $dir \
         --threads ${THREADS:-8} --block-mib ${BLOCK_MIB:-8} --rows $rows"
     export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST_DS:-9.0}  # DeepSpeed's JIT builder reads no "9.0a"
-    runs=("--tier nvme --host-share 0 --ratio 1" "--tier nvme --engine deepspeed")
+    # DeepSpeed's defaults (buffer_count 4, no pipelining), then its pipelined swapper, which asserts
+    # for want of buffers at buffer_count 4 (results_h100_nvme_versus_deepspeed.log) and gets 8
+    runs=("--tier nvme --host-share 0 --ratio 1" "--tier nvme --engine deepspeed --ds-pipeline 0"
+          "--tier nvme --engine deepspeed --ds-pipeline 1 --buffers 8")
     [ "${VERSUS_ALL:-1}" = 1 ] && runs+=("--tier host --ratio 1" "--tier nvme --host-share 0")
     for run in "${runs[@]}"; do
         timeout ${VERSUS_TIMEOUT:-240} python3 bench/nvme_bench.py train $versus $run 2>&1 | grep -v Warning \
