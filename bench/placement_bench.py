@@ -20,7 +20,10 @@ A case is `kind:micro_batch`:
   (its CPU Adam), the bf16 parameters on the card;
 - `plain_bf16`: plain PyTorch, a bf16 model with fused AdamW (the ceiling, half the bytes);
 - `plain_autocast`: plain PyTorch, an fp32 model under bf16 autocast with fused AdamW (zero3's
-  arithmetic).
+  arithmetic);
+- `plain_bf16_fwdbwd`: plain PyTorch, a bf16 model's forward and backward alone, no optimizer
+  (the card's ceiling for a model whose training state does not fit it: the arithmetic any
+  engine must do, with nothing moved and nothing stepped).
 A zero3 or plain kind with `+compile` (`auto+compile:4`, `plain_bf16+compile:2`) runs compiled:
 zero3's `engine.compile()` (each fetch unit's forward), plain PyTorch's `model.compile()`; the
 warm-up steps take the compilation.
@@ -200,6 +203,9 @@ def plain_case(args, kind: str, micro: int):
         model = model.to(torch.bfloat16)
     if kind.endswith("+compile"):
         model.compile()
+    if kind.startswith("plain_bf16_fwdbwd"):
+        return _forward_backward_only(model), lambda: {"plan": "placement: plain PyTorch, forward and backward only"}, \
+            lambda: None
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0, fused=True)
 
     def step(batches):
@@ -213,6 +219,21 @@ def plain_case(args, kind: str, micro: int):
         return loss
 
     return step, lambda: {"plan": "placement: plain PyTorch, everything on the GPU"}, lambda: None
+
+
+def _forward_backward_only(model: torch.nn.Module):
+    """The arithmetic every engine must do a step, and nothing else: forward and backward of a
+    bf16 model on the card, no optimizer, no clipping, the gradients dropped after each step
+    (the ceiling for a model whose optimizer state does not fit beside it)."""
+    def step(batches):
+        for tokens in batches:
+            loss = loss_of(model, tokens)
+            (loss / len(batches)).backward()
+        for param in model.parameters():
+            param.grad = None
+        return loss
+
+    return step
 
 
 def run_case(args, kind: str, micro: int, params: int) -> dict:

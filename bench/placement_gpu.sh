@@ -10,6 +10,8 @@
 #   STAGE=7b_ds   the 6.7B Llama under DeepSpeed 0.19.8 (CASES_7B_DS, default both offloads)
 #   STAGE=7b_compile  the 6.7B Llama offloaded under the auto budget with engine.compile()
 #                 (CASES_7B_COMPILE, default auto+compile:2); CASE_TIMEOUT covers the compilation
+#   STAGE=7b_ceiling  the 6.7B Llama's forward and backward alone in plain bf16 PyTorch, no optimizer
+#                 (CASES_7B_CEILING, default plain_bf16_fwdbwd+compile:4): the card's ceiling for it
 #   STAGE=lora27b         bench/lora_cap_bench.py: the seed's scale, a 26.8B Llama LoRA (GA 4, reentrant
 #                         checkpointing), zero3 on the whole card, then capped at 40 GiB with offload_param
 #                         and the auto budget (about 5 minutes)
@@ -56,6 +58,7 @@ llama_7b="--layers 32 --width 4096 --intermediate 11008 --heads 32 --seq 2048"
 has 7b && cases 7b "$llama_7b" "${CASES_7B:-auto:2}"
 has 7b_ds && cases 7b_deepspeed "$llama_7b" "${CASES_7B_DS:-ds_offload:2}"
 has 7b_compile && cases 7b_compiled "$llama_7b" "${CASES_7B_COMPILE:-auto+compile:2}"
+has 7b_ceiling && cases 7b_ceiling "$llama_7b" "${CASES_7B_CEILING:-plain_bf16_fwdbwd+compile:4}"
 lora_cases() {  # lora_cases NAME "case ..." : bench/lora_cap_bench.py, one process per case, then the table
     local name=$1 list=$2 rows="$out/lora27b_$1.jsonl"
     rm -f "$rows"
