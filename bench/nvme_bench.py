@@ -275,7 +275,8 @@ def train_case(args: argparse.Namespace, folder: Path, host_budget: int | None =
 def deepspeed_train_case(args: argparse.Namespace, folder: Path) -> dict:
     """The same GPT, JSON and steps under DeepSpeed (installed apart, never zero3's dependency):
     `--tier nvme` is its ZeRO-Infinity, all of the optimizer state in swap files under --dir (it
-    has no host share), with its read and write pipelining on; `--tier host` its ZeRO-Offload."""
+    has no host share), its read and write pipelining on with `--ds-pipeline 1`; `--tier host`
+    its ZeRO-Offload."""
     import logging
 
     import deepspeed

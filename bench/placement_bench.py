@@ -203,37 +203,24 @@ def plain_case(args, kind: str, micro: int):
         model = model.to(torch.bfloat16)
     if kind.endswith("+compile"):
         model.compile()
-    if kind.startswith("plain_bf16_fwdbwd"):
-        return _forward_backward_only(model), lambda: {"plan": "placement: plain PyTorch, forward and backward only"}, \
-            lambda: None
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0, fused=True)
+    stepped = not kind.startswith("plain_bf16_fwdbwd")  # fwdbwd: the arithmetic alone, no optimizer
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0, fused=True) if stepped else None
 
     def step(batches):
         for tokens in batches:
             with torch.autocast("cuda", dtype=torch.bfloat16, enabled=kind.startswith("plain_autocast")):
                 loss = loss_of(model, tokens)
             (loss / len(batches)).backward()
+        if opt is None:
+            model.zero_grad(set_to_none=True)
+            return loss
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss
 
-    return step, lambda: {"plan": "placement: plain PyTorch, everything on the GPU"}, lambda: None
-
-
-def _forward_backward_only(model: torch.nn.Module):
-    """The arithmetic every engine must do a step, and nothing else: forward and backward of a
-    bf16 model on the card, no optimizer, no clipping, the gradients dropped after each step
-    (the ceiling for a model whose optimizer state does not fit beside it)."""
-    def step(batches):
-        for tokens in batches:
-            loss = loss_of(model, tokens)
-            (loss / len(batches)).backward()
-        for param in model.parameters():
-            param.grad = None
-        return loss
-
-    return step
+    plan = "everything on the GPU" if stepped else "forward and backward only"
+    return step, lambda: {"plan": f"placement: plain PyTorch, {plan}"}, lambda: None
 
 
 def run_case(args, kind: str, micro: int, params: int) -> dict:
