@@ -16,8 +16,8 @@ A case is `kind:micro_batch`:
 - `budget=<GiB>`: both offloads under that budget;
 - `ds_offload`, `ds_ratio=<r>`, `ds_super`: DeepSpeed 0.19.8 with both offloads and its CPU Adam
   (the config's AdamW), with offload_optimizer.ratio r (its Twin-Flow partial offload), or
-  with super_offload; `ds_opt_offload`: DeepSpeed's ZeRO-Offload, only the optimizer on the host
-  (its CPU Adam), the bf16 parameters on the card;
+  with super_offload; `ds_opt_offload`, `ds_opt_ratio=<r>`, `ds_opt_super`: the same with only
+  the optimizer offloaded (DeepSpeed's ZeRO-Offload: its CPU Adam, the bf16 parameters on the card);
 - `plain_bf16`: plain PyTorch, a bf16 model with fused AdamW (the ceiling, half the bytes);
 - `plain_autocast`: plain PyTorch, an fp32 model under bf16 autocast with fused AdamW (zero3's
   arithmetic);
@@ -172,10 +172,12 @@ def deepspeed_case(args, kind: str, micro: int):
 
     deepspeed.utils.logger.setLevel(logging.WARNING)
     model = _Wrapped(build_llama(args))
+    optimizer_only = kind.startswith("ds_opt_")  # ZeRO-Offload: the bf16 parameters stay on the card
+    variant = kind.removeprefix("ds_opt_" if optimizer_only else "ds_")
     offload_optimizer = {"device": "cpu", "pin_memory": True}
-    if kind.startswith("ds_ratio="):
-        offload_optimizer["ratio"] = float(kind.split("=")[1])
-    if kind == "ds_super":
+    if variant.startswith("ratio="):
+        offload_optimizer["ratio"] = float(variant.split("=")[1])
+    if variant == "super":
         offload_optimizer["super_offload"] = True
     config = {"train_micro_batch_size_per_gpu": micro, "gradient_clipping": 1.0, "bf16": {"enabled": True},
               "gradient_accumulation_steps": args.ga,
@@ -183,7 +185,7 @@ def deepspeed_case(args, kind: str, micro: int):
               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
                                     "offload_param": {"device": "cpu", "pin_memory": True},
                                     "offload_optimizer": offload_optimizer}}
-    if kind == "ds_opt_offload":  # ZeRO-Offload: the optimizer on the host, the bf16 parameters on the card
+    if optimizer_only:
         del config["zero_optimization"]["offload_param"]
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
 

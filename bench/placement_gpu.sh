@@ -7,7 +7,8 @@
 #   STAGE=ds      the 3.1B model under DeepSpeed 0.19.8 (carried in .whl, DS_BUILD_OPS=0, its CPU Adam
 #                 built at first use): both offloads, its offload_optimizer.ratio 0.5, super_offload
 #   STAGE=7b      a 6.7B Llama (does not fit resident): offload under the auto budget
-#   STAGE=7b_ds   the 6.7B Llama under DeepSpeed 0.19.8 (CASES_7B_DS, default both offloads)
+#   STAGE=7b_ds   the 6.7B Llama under DeepSpeed 0.19.8 (CASES_7B_DS, default its ZeRO-Offload at
+#                 micro-batch 4, plain, with offload_optimizer.ratio 0.85 and with super_offload)
 #   STAGE=7b_compile  the 6.7B Llama offloaded under the auto budget with engine.compile()
 #                 (CASES_7B_COMPILE, default auto+compile:2); CASE_TIMEOUT covers the compilation
 #   STAGE=7b_ceiling  the 6.7B Llama's forward and backward alone in plain bf16 PyTorch, no optimizer
@@ -56,7 +57,7 @@ has ds && cases 3b_deepspeed "$llama_3b" "${CASES_DS:-ds_offload:2 ds_ratio=0.5:
 has 3b && cases 3b "$llama_3b" "${CASES_3B:-resident:2 auto:2 auto:4 plain_bf16:2 plain_autocast:2}"
 llama_7b="--layers 32 --width 4096 --intermediate 11008 --heads 32 --seq 2048"
 has 7b && cases 7b "$llama_7b" "${CASES_7B:-auto:2}"
-has 7b_ds && cases 7b_deepspeed "$llama_7b" "${CASES_7B_DS:-ds_offload:2}"
+has 7b_ds && cases 7b_deepspeed "$llama_7b" "${CASES_7B_DS:-ds_opt_offload:4 ds_opt_ratio=0.85:4 ds_opt_super:4}"
 has 7b_compile && cases 7b_compiled "$llama_7b" "${CASES_7B_COMPILE:-auto+compile:2}"
 has 7b_ceiling && cases 7b_ceiling "$llama_7b" "${CASES_7B_CEILING:-plain_bf16_fwdbwd+compile:4}"
 lora_cases() {  # lora_cases NAME "case ..." : bench/lora_cap_bench.py, one process per case, then the table
