@@ -117,7 +117,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("engine parts", ("zero3.engine_parts", "zero3.estimate")),
     ("checkpoint", ("zero3.checkpoint",)),
     ("DeepSpeed adapters", ("zero3.compat", "zero3.checkpointing", "zero3.accelerator", "zero3.comm", "zero3.utils", "zero3.runtime",
-                            "zero3.ops", "zero3.zero", "zero3.moe", "zero3.compression")),
+                            "zero3.ops", "zero3.zero", "zero3.moe", "zero3.compression", "zero3.sequence")),
     ("engine", ("zero3.engine",)),
     ("entry points", ("zero3.api", "zero3.cli", "zero3")),
     ("hf", ("zero3.hf",)),

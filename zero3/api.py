@@ -27,8 +27,7 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     """Wrap `model` in a ZeRO-3 engine: returns (engine, optimizer, dataloader, lr_scheduler)."""
     if model is None:
         raise InitializeArgumentError("zero3.initialize needs model=")
-    if mpu is not None:
-        raise ValueError("zero3.initialize: mpu (model parallelism) is not supported; pass mpu=None")
+    sequence_parallel = _sequence_parallel_of(mpu)
     config = config if config is not None else config_params
     if config is None and args is not None:
         config = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
@@ -42,7 +41,7 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     accelerator = get_accelerator()
     if accelerator.device_name() == "cuda":
         accelerator.set_device(choose_cuda_device())  # the device by the rule of device.py, the shard by RANK
-    parsed = _parse_on_every_rank(config, world_size)
+    parsed = _parse_on_every_rank(config, world_size, sequence_parallel)
     apply_engine_config(parsed.activation_checkpointing)  # zero3.checkpointing's settings, unless configured
     with Init.paused():  # called inside zero3.Init: the model built there is adopted
         engine = Engine(model, parsed, optimizer=optimizer, model_parameters=model_parameters,
@@ -55,12 +54,27 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     return engine, client_optimizer, dataloader, engine.lr_scheduler
 
 
-def _parse_on_every_rank(config: Any, world_size: int) -> Zero3Config:
+def _sequence_parallel_of(mpu: Any) -> int | None:
+    """The sequence-parallel degree of DeepSpeed's `mpu` (parallel_state_sp's, which
+    register_with_transformers returns); None without one. An mpu with tensor or pipeline
+    parallelism is refused."""
+    if mpu is None:
+        return None
+    if hasattr(mpu, "get_sequence_parallel_world_size") and not hasattr(mpu, "get_data_parallel_world_size"):
+        return int(mpu.get_sequence_parallel_world_size())
+    model_parallel = getattr(mpu, "get_model_parallel_world_size", lambda: 1)()
+    raise ValueError(f"zero3.initialize: this mpu ({type(mpu).__name__}, model-parallel world size "
+                     f"{model_parallel}) is a tensor/pipeline-parallel one, which zero3 does not implement. Pass "
+                     "mpu=None, or the sequence-parallel mpu that UlyssesSPAttentionHF.register_with_transformers "
+                     "returns.")
+
+
+def _parse_on_every_rank(config: Any, world_size: int, sequence_parallel: int | None = None) -> Zero3Config:
     """The config, parsed on each rank; one rank's failure (a file missing on one machine, a
     key it refuses) is raised on every rank, here, before any other collective would wait
     for the failed rank. One small all-gather when the world has more than one rank."""
     try:
-        parsed, problem = from_deepspeed(config, world_size=world_size), None
+        parsed, problem = from_deepspeed(config, world_size=world_size, sequence_parallel_size=sequence_parallel), None
     except Exception as exc:  # noqa: BLE001 - re-raised below, on this rank as it was
         parsed, problem = None, exc
     if world_size > 1:

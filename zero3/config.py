@@ -99,7 +99,7 @@ DEEPSPEED_TOP_LEVEL_KEYS: tuple[str, ...] = (
     # misc runtime
     "disable_allgather", "disable_python_gc", "dataloader_drop_last", "checkpoint",
     "activation_checkpointing", "aio", "use_data_before_expert_parallelism",
-    "sequence_parallel_size",
+    "sequence_parallel_size", "data_parallel_size", "long_sequence",
     # feature blocks
     "tensorboard", "wandb", "csv_monitor", "comet", "comms_logger", "flops_profiler", "autotuning",
     "hybrid_engine", "pipeline", "data_efficiency", "datastates_ckpt", "weight_quantization",
@@ -261,6 +261,22 @@ class PlacementConfig:
 
 
 @dataclass(frozen=True)
+class LongSequenceConfig:
+    """The ``long_sequence`` section (zero3 only): DeepSpeed ALST's single-card pieces applied
+    to a Hugging Face causal LM at initialize (zero3/sequence/long_context.py). ``tiled_mlp``:
+    each decoder layer's MLP over tiles of tokens (``mlp_tiles`` a forward; None: "auto",
+    ceil(tokens / hidden_size)). ``tiled_loss``: the loss over tiles of at most
+    ``loss_tile_bytes`` of fp32 logits, never the full logits. ``offload_hidden_states``: each
+    decoder layer checkpointed with its input in pinned host memory."""
+
+    tiled_mlp: bool = False
+    mlp_tiles: int | None = None
+    tiled_loss: bool = False
+    loss_tile_bytes: int | None = None
+    offload_hidden_states: bool = False
+
+
+@dataclass(frozen=True)
 class ActivationCheckpointingConfig:
     """The ``activation_checkpointing`` section: how ``zero3.checkpointing.checkpoint`` (DeepSpeed's
     ``deepspeed.checkpointing.checkpoint``) runs. ``zero3.initialize`` applies it unless the
@@ -406,6 +422,23 @@ class Zero3Config:
     activation_checkpointing: ActivationCheckpointingConfig
     raw: dict
     aio: AioConfig = AioConfig()
+    sequence_parallel_size: int = 1
+    seq_parallel_communication_data_type: torch.dtype = torch.float32
+    long_sequence: LongSequenceConfig = LongSequenceConfig()
+
+    @property
+    def gradient_reduce_dtype(self) -> torch.dtype:
+        """The dtype gradients are reduced in: under sequence parallelism
+        seq_parallel_communication_data_type, as DeepSpeed's engine does; else
+        precision.reduce_dtype."""
+        if self.sequence_parallel_size > 1:
+            return self.seq_parallel_communication_data_type
+        return self.precision.reduce_dtype
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Ranks that read distinct batches: world_size / sequence_parallel_size."""
+        return self.world_size // self.sequence_parallel_size
 
     # DeepSpeed's `engine.config` is the JSON dict it was given: read it the same way.
     def __getitem__(self, key: str) -> Any:
@@ -687,6 +720,10 @@ def _comm_dtype(key: str, value: Any) -> torch.dtype | None:
     return _choice({"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16})(key, value)
 
 
+def _seq_comm_dtype(key: str, value: Any) -> torch.dtype:
+    return _comm_dtype(key, value) or torch.float32
+
+
 def _dtype_name(key: str, value: Any) -> torch.dtype | None:
     """Converter: null or one of DeepSpeed's dtype spellings ("bf16", "torch.float16", ...)."""
     if value is None:
@@ -804,6 +841,28 @@ def bytes_or_auto(key: str, value: Any) -> int | None:
             _fail(key, value, "not a byte size", 'Write "auto", a number of bytes, or e.g. "40GiB" / "38GB".')
         return int(float(match.group(1)) * _BYTE_UNITS[match.group(2).lower()])
     return _to_int(key, value, 0)
+
+
+def _tiles_or_auto(key: str, value: Any) -> int | None:
+    if isinstance(value, str) and value.lower() == "auto":
+        return None
+    return _to_int(key, value, 1)
+
+
+_LONG_SEQUENCE_RULES: dict[str, _Rule] = {
+    "tiled_mlp": _Map("tiled_mlp", _bool, "zero3 only: each decoder layer's MLP runs over tiles of tokens "
+                      "(DeepSpeed ALST's TiledMLP), recomputed tile by tile in backward"),
+    "mlp_tiles": _Map("mlp_tiles", _tiles_or_auto, 'tiles per MLP call ("auto", the default: ceil(tokens / '
+                      "hidden_size), the largest token count over the ranks)"),
+    "tiled_loss": _Map("tiled_loss", _bool, "zero3 only: with labels, the causal-LM loss over tiles of tokens "
+                       "(DeepSpeed ALST's TiledFusedLogitsLoss): the full logits are never made; outputs.logits "
+                       "is None"),
+    "loss_tile_bytes": _Map("loss_tile_bytes", bytes_or_auto, 'fp32 logits of one loss tile ("auto", the '
+                            'default: 1GiB)'),
+    "offload_hidden_states": _Map("offload_hidden_states", _bool, "zero3 only: every decoder layer is "
+                                  "checkpointed with its input in pinned host memory, copied on side streams "
+                                  "(in place of HF gradient checkpointing for those layers)"),
+}
 
 
 _PLACEMENT_RULES: dict[str, _Rule] = {
@@ -1646,9 +1705,15 @@ _TOP_RULES: dict[str, _Rule] = {
                                    "gradients are averaged; DeepSpeed refuses \"sum\" at stage 3 too",
                                    _REMOVE),
     "disable_allgather": _off(False, "DeepSpeed 0.19.8 does not use this flag; zero3 always gathers"),
-    "seq_parallel_communication_data_type": _Inert("it applies to sequence parallelism only, which zero3 "
-                                                   "does not have"),
-    "sequence_parallel_size": _Only(_is(1), "1", "sequence parallelism is not implemented", _REMOVE),
+    "seq_parallel_communication_data_type": _Map("seq_parallel_communication_data_type", _seq_comm_dtype,
+                                                 "with sequence_parallel_size > 1: the dtype gradients are "
+                                                 "reduced in (fp32, the default, as DeepSpeed; bf16 / fp16)"),
+    "sequence_parallel_size": _Map("sequence_parallel_size", _int(1), "Ulysses sequence parallelism: ranks that "
+                                   "split each sequence (consecutive ranks; it must divide the world size)"),
+    "data_parallel_size": _Map("data_parallel_size", _int(1), "checked: world_size / sequence_parallel_size"),
+    "long_sequence": _Map("_long_sequence", _section_values(_LONG_SEQUENCE_RULES, auto_is_default=False),
+                          "zero3 only: tiled MLP, tiled loss and hidden states on the host for HF causal LMs; "
+                          "see the long_sequence table"),
     "use_data_before_expert_parallelism": _off(False, "expert parallelism is not implemented"),
     "activation_checkpointing": _Map("activation_checkpointing", _activation_checkpointing,
                                      "zero3.checkpointing.checkpoint's options (DeepSpeed's "
@@ -1796,8 +1861,28 @@ def _check_nvme_settings(values: dict[str, Any]) -> None:
               '"nvme" with an nvme_path.')
 
 
-def from_deepspeed(config: "dict | str | os.PathLike", world_size: int) -> Zero3Config:
-    """Parse and validate a DeepSpeed config for ``world_size`` data-parallel ranks.
+def _sequence_parallel_size(values: dict[str, Any], world_size: int, from_mpu: int | None) -> int:
+    """sequence_parallel_size (default 1, or the mpu's) must divide the world and agree with the
+    mpu's; data_parallel_size, when given, must be what is left (DeepSpeed's batch arithmetic is
+    over world / sp)."""
+    sp = values.get("sequence_parallel_size", from_mpu or 1)
+    if from_mpu is not None and sp != from_mpu:
+        _fail("sequence_parallel_size", sp, f"differs from the mpu's sequence-parallel world size {from_mpu}",
+              "Give register_with_transformers and the config the same degree.")
+    if world_size % sp:
+        _fail("sequence_parallel_size", sp, f"does not divide the world size {world_size}",
+              f"Launch a multiple of {sp} ranks, or pick a degree that divides {world_size}.")
+    dp = values.get("data_parallel_size")
+    if dp is not None and dp != world_size // sp:
+        _fail("data_parallel_size", dp, f"must equal world_size / sequence_parallel_size = {world_size} / {sp} = "
+              f"{world_size // sp}", "Remove the key (zero3 derives it), or fix it.")
+    return sp
+
+
+def from_deepspeed(config: "dict | str | os.PathLike", world_size: int,
+                   sequence_parallel_size: int | None = None) -> Zero3Config:
+    """Parse and validate a DeepSpeed config for ``world_size`` ranks (``sequence_parallel_size``:
+    the degree of the mpu given to initialize, if any).
 
     Raises ConfigError for anything zero3 cannot honour, naming the key, the value and the fix.
     """
@@ -1807,7 +1892,9 @@ def from_deepspeed(config: "dict | str | os.PathLike", world_size: int) -> Zero3
     raw = _load(config)
     values = _parse_section(_Section("", _TOP_RULES, auto_is_default=False), raw)
     values["_bf16_key"] = "bfloat16" if "bfloat16" in raw else "bf16"
-    tbs, micro, gas = _batch_sizes(values.get(_TBS), values.get(_MICRO), values.get(_GAS), world_size)
+    sequence_parallel = _sequence_parallel_size(values, world_size, sequence_parallel_size)
+    tbs, micro, gas = _batch_sizes(values.get(_TBS), values.get(_MICRO), values.get(_GAS),
+                                   world_size // sequence_parallel)
     timers = values.get("_timers", {})
     _check_nvme_settings(values)
     return Zero3Config(
@@ -1841,6 +1928,9 @@ def from_deepspeed(config: "dict | str | os.PathLike", world_size: int) -> Zero3
         activation_checkpointing=values.get("activation_checkpointing", ActivationCheckpointingConfig()),
         raw=copy.deepcopy(raw),
         aio=values.get("aio", AioConfig()),
+        sequence_parallel_size=sequence_parallel,
+        seq_parallel_communication_data_type=values.get("seq_parallel_communication_data_type", torch.float32),
+        long_sequence=LongSequenceConfig(**values.get("_long_sequence", {})),
     )
 
 
@@ -1862,6 +1952,7 @@ _DOC_SECTIONS: tuple[tuple[str, Mapping[str, _Rule], str], ...] = (
     ("checkpoint", _CHECKPOINT_RULES, ""),
     ("activation_checkpointing", _ACTIVATION_CHECKPOINTING_RULES, "activation_checkpointing."),
     ("placement", _PLACEMENT_RULES, "placement."),
+    ("long_sequence", _LONG_SEQUENCE_RULES, "long_sequence."),
     ("aio", _AIO_RULES, "aio."),
     ("timers", _TIMERS_RULES, ""),
     ("timers.throughput", _THROUGHPUT_RULES, ""),
@@ -1876,7 +1967,7 @@ _DOC_FIELDS = {
     "_checkpoint": "checkpoint_tag_validation", "enabled": "precision.dtype",
     "check_grad_overflow": "precision.check_grad_overflow", "param_dtype": "checked against precision.dtype",
     "tag_validation": "checkpoint_tag_validation", "arrival_timeout": "checkpoint_arrival_timeout",
-    "async_save": "checkpoint_async_save", "_placement": "placement", "load_rng_state": "checkpoint_load_rng_state",
+    "async_save": "checkpoint_async_save", "_placement": "placement", "_long_sequence": "long_sequence", "load_rng_state": "checkpoint_load_rng_state",
     "throughput": "throughput_timer_*",
     "_torch_autocast": "precision.autocast_*", "bf16_master_weights_and_grads": "precision.master_dtype",
     "bf16_optimizer_states": "precision.optimizer_state_dtype", "autocast_enabled": "precision.autocast_dtype",

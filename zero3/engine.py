@@ -58,6 +58,8 @@ from zero3.params.compiled import CompiledUnits, take_requests
 from zero3.params.late_params import LateParameters
 from zero3.params.partition import ParamState
 from zero3.params.units import build_units, declare_config_leaves
+from zero3.sequence import long_context
+from zero3.sequence import setup as sequence_setup
 from zero3.params.wire import gather_rows, group_by_dtype
 from zero3.platform.collectives import Communicator
 from zero3.platform.device import get_accelerator
@@ -103,6 +105,7 @@ class Engine(EngineSurface, nn.Module):
             check_ranks_agree(self.comm, self.device, {
                 **config_items(config), **optimizer_items(optimizer), **model_items(model)})
         self._gc_disabled_here = diagnostics.apply_process_settings(config)
+        self.long_sequence = sequence_setup.prepare(model, config)  # SP groups, Ulysses, tiled pieces
         init_shards = build.prepare_module(model, self.device, self.compute_dtype, self.comm)
         self.module = model
         self.named_params = list(self.module.named_parameters())
@@ -497,6 +500,7 @@ class Engine(EngineSurface, nn.Module):
         self.fetcher.remove()
         self.compiled_units.remove()
         self.reducer.remove()
+        long_context.revert(self.long_sequence)
         unregister(self.param_owner)
         diagnostics.restore_process_settings(self._gc_disabled_here)
         self._destroyed = True

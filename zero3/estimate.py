@@ -235,7 +235,7 @@ def estimate_placement(model: nn.Module | int, world_size: int, config: dict | s
     else:
         units = _units(model)
     width = torch.empty(0, dtype=parsed.precision.dtype).element_size()
-    reduce_width = torch.empty(0, dtype=parsed.precision.reduce_dtype).element_size()
+    reduce_width = torch.empty(0, dtype=parsed.gradient_reduce_dtype).element_size()
     master_width, state_width = _optimizer_widths(parsed)
     per_state = state_bytes_per_element(width, _optimizer_states(parsed)[0], master_width, state_width)
     numels = [n for _, params in units for n, _ in params]
