@@ -139,6 +139,12 @@ _ALIAS_OR_HOOK = frozenset({
     "_has_compatible_shallow_copy_type",
 })
 
+# autograd calls that take a sealed parameter as an input or output of differentiation: they
+# use its gradient edge (where its gradient accumulates), never its values; what backward reads
+# of a parameter it reads through the tensors autograd saved, which zero3 gathers (late_params.py).
+# Tiled compute (zero3/sequence/tiled.py) asks for and hands over parameters' gradients this way.
+_GRADIENT_EDGE_CALLS = frozenset({torch.autograd.grad, torch.autograd.backward})
+
 # Attributes that compute a new view of the values (`p.T`): refused like any view.
 VIEW_ATTRIBUTES = frozenset({"T", "mT", "H", "mH", "real", "imag"})
 
@@ -299,6 +305,8 @@ def _call_sealed(func: Any, args: tuple, kwargs: dict) -> Any:
         return func(*args, **kwargs)
     if _is_metadata(func, args, kwargs):
         return _seal_released(func(*args, **kwargs))
+    if func in _GRADIENT_EDGE_CALLS:  # the parameter names a gradient edge; values are read through saved tensors
+        return func(*args, **kwargs)
     if _changes_nothing(func, args, kwargs):
         return args[0]
     what = describe(released[0], _names.get(released[0]))

@@ -86,7 +86,7 @@ def _swap(module: nn.Module, mixin: type, state: LongSequenceState, swapped: lis
     key = (base, mixin.__name__)
     cls = _SWAPPED_CLASSES.get(key)
     if cls is None:
-        cls = type(f"{mixin.__name__}{base.__name__}", (mixin, base), {})
+        cls = type(f"{mixin.prefix}{base.__name__}", (mixin, base), {})
         _SWAPPED_CLASSES[key] = cls
     swapped.append((module, base))
     module.__class__ = cls
@@ -94,6 +94,7 @@ def _swap(module: nn.Module, mixin: type, state: LongSequenceState, swapped: lis
 
 
 class _TiledMLPMixin:
+    prefix = "Tiled"
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         state = _STATES[self]
         if args or kwargs:
@@ -104,6 +105,7 @@ class _TiledMLPMixin:
 
 
 class _HostCheckpointMixin:
+    prefix = "HostCheckpointed"
     __call__ = nn.Module.__call__  # not GradientCheckpointingLayer's: this layer checkpoints itself
 
     def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
@@ -111,6 +113,7 @@ class _HostCheckpointMixin:
         base_forward = super().forward
         if _RECOMPUTING.get() or not (torch.is_grad_enabled() and self.training):
             return base_forward(hidden_states, *args, **kwargs)
+        kwargs = _without_cache(kwargs)
 
         def recompute(hidden: torch.Tensor) -> Any:
             token = _RECOMPUTING.set(True)
@@ -123,7 +126,20 @@ class _HostCheckpointMixin:
                                   hidden_states, state.store)
 
 
+def _without_cache(kwargs: dict) -> dict:
+    """A checkpointed layer runs twice: a KV cache would take its keys twice (as HF's
+    GradientCheckpointingLayer, training drops the cache)."""
+    kwargs = dict(kwargs)
+    for key in ("past_key_values", "past_key_value", "layer_past"):
+        if kwargs.get(key) is not None:
+            kwargs[key] = None
+    if kwargs.get("use_cache"):
+        kwargs["use_cache"] = False
+    return kwargs
+
+
 class _TiledLossMixin:
+    prefix = "TiledLoss"
     def forward(self, input_ids: Any = None, attention_mask: Any = None, position_ids: Any = None,
                 past_key_values: Any = None, inputs_embeds: Any = None, labels: Any = None,
                 use_cache: Any = None, logits_to_keep: Any = 0, **kwargs: Any) -> Any:
@@ -191,8 +207,8 @@ def tiled_causal_lm_loss(lm_head: nn.Module, hidden: torch.Tensor, shift_labels:
 
 def _causal_lm(model: nn.Module) -> nn.Module | None:
     """The module that owns `lm_head` and the decoder (`model`): the model, or inside a PEFT wrapper."""
-    for module in model.modules():
-        if hasattr(module, "lm_head") and hasattr(module, "model") and hasattr(module, "config"):
+    for module in model.modules():  # its own children, not a wrapper's forwarded attributes
+        if "lm_head" in module._modules and "model" in module._modules and hasattr(module, "config"):
             return module
     return None
 

@@ -10,9 +10,10 @@ sequences without sequence parallelism (as DeepSpeed's and HF's Trainer aggregat
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_fn
 
 from zero3.platform import sequence_groups
 
@@ -29,7 +30,31 @@ def sequence_parallel_loss(loss: torch.Tensor, shift_labels: torch.Tensor,
             return loss
         group = groups.group
     tokens = (shift_labels != IGNORE_INDEX).sum().to(device=loss.device, dtype=loss.dtype)
-    losses = torch.stack(dist_fn.all_gather(loss.reshape(()), group=group))
-    counts = torch.stack(dist_fn.all_gather(tokens.reshape(()), group=group))
+    losses = _GatherScalars.apply(loss.reshape(1), group)
+    counts = _gather_counts(tokens.reshape(1), group)
     safe = torch.where(counts > 0, losses, torch.zeros_like(losses))
     return (safe * counts).sum() / counts.sum()
+
+
+class _GatherScalars(torch.autograd.Function):
+    """Every rank's one-element tensor, stacked in group-rank order; backward: each rank's
+    element gets the sum over the group of the gradients reaching it."""
+
+    @staticmethod
+    def forward(ctx: Any, value: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        pieces = [torch.empty_like(value) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(pieces, value.contiguous(), group=group)
+        return torch.cat(pieces)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad[dist.get_rank(ctx.group)].reshape(1), None
+
+
+def _gather_counts(value: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    pieces = [torch.empty_like(value) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(pieces, value.contiguous(), group=group)
+    return torch.cat(pieces)
