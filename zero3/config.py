@@ -1711,7 +1711,7 @@ _TOP_RULES: dict[str, _Rule] = {
     "sequence_parallel_size": _Map("sequence_parallel_size", _int(1), "Ulysses sequence parallelism: ranks that "
                                    "split each sequence (consecutive ranks; it must divide the world size)"),
     "data_parallel_size": _Map("data_parallel_size", _int(1), "checked: world_size / sequence_parallel_size"),
-    "long_sequence": _Map("_long_sequence", _section_values(_LONG_SEQUENCE_RULES, auto_is_default=False),
+    "long_sequence": _Map("_long_sequence", _section_values(_LONG_SEQUENCE_RULES, auto_is_default=True),
                           "zero3 only: tiled MLP, tiled loss and hidden states on the host for HF causal LMs; "
                           "see the long_sequence table"),
     "use_data_before_expert_parallelism": _off(False, "expert parallelism is not implemented"),

@@ -446,7 +446,6 @@ REFUSABLE = [
 ]
 INERT = [(prefix, section, key) for prefix, section, key, _ in [
     ("", lambda k, v: {"train_batch_size": 2, k: v}, "pipeline", None),
-    ("", lambda k, v: {"train_batch_size": 2, k: v}, "seq_parallel_communication_data_type", None),
     ("zero_optimization.", lambda k, v: {"train_batch_size": 2, "zero_optimization": {k: v}},
      "pipeline_loading_checkpoint", None),
     ("checkpoint.", lambda k, v: {"train_batch_size": 2, "checkpoint": {k: v}}, "parallel_write", None),
@@ -454,7 +453,7 @@ INERT = [(prefix, section, key) for prefix, section, key, _ in [
 
 
 @pytest.mark.parametrize("prefix, section, key", INERT, ids=[f"{p}{k}" for p, _, k in INERT])
-def test_keys_meaningless_without_pipeline_or_sequence_parallelism_warn(prefix, section, key, caplog):
+def test_keys_meaningless_without_pipeline_parallelism_warn(prefix, section, key, caplog):
     for value in (True, {"stages": 4}, "bf16"):
         caplog.clear()
         with caplog.at_level("WARNING", logger="zero3"):
@@ -684,3 +683,33 @@ def test_docs_list_every_key():
     text = docs.read_text()
     missing = [f"{section}.{key}" for section, key, _, _ in cfg.describe_keys() if f"`{key}`" not in text]
     assert not missing
+
+
+def test_sequence_parallel_keys():
+    """Batch arithmetic over world / sequence_parallel_size (DeepSpeed's), the checked
+    data_parallel_size, the reduce dtype under sequence parallelism, the long_sequence section."""
+    c = from_deepspeed({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3,
+                        "sequence_parallel_size": 2, "bf16": {"enabled": True}}, 8)
+    assert (c.train_batch_size, c.sequence_parallel_size, c.data_parallel_size) == (24, 2, 4)
+    assert c.gradient_reduce_dtype == torch.float32, "DeepSpeed reduces in fp32 under sequence parallelism"
+    c = from_deepspeed({"train_batch_size": 8, "sequence_parallel_size": 4, "data_parallel_size": 2,
+                        "seq_parallel_communication_data_type": "bf16"}, 8)
+    assert c.train_micro_batch_size_per_gpu == 4 and c.gradient_reduce_dtype == torch.bfloat16
+    assert from_deepspeed({"train_batch_size": 4, "bf16": {"enabled": True}}, 4).gradient_reduce_dtype == torch.bfloat16
+    assert from_deepspeed({"train_batch_size": 4}, 4, sequence_parallel_size=2).train_micro_batch_size_per_gpu == 2
+    with pytest.raises(ConfigError, match="does not divide the world size 6"):
+        from_deepspeed({"train_batch_size": 4, "sequence_parallel_size": 4}, 6)
+    with pytest.raises(ConfigError, match="data_parallel_size.*8 / 2 = 4"):
+        from_deepspeed({"train_batch_size": 8, "sequence_parallel_size": 2, "data_parallel_size": 2}, 8)
+    with pytest.raises(ConfigError, match="differs from the mpu"):
+        from_deepspeed({"train_batch_size": 4, "sequence_parallel_size": 4}, 4, sequence_parallel_size=2)
+    with pytest.raises(ConfigError, match="sequence_parallel_size"):
+        from_deepspeed({"train_batch_size": 4, "sequence_parallel_size": 0}, 4)
+    c = from_deepspeed({"train_batch_size": 2, "long_sequence": {"tiled_mlp": True, "mlp_tiles": "auto",
+                                                                 "loss_tile_bytes": "256MiB", "tiled_loss": True}}, 2)
+    assert c.long_sequence.tiled_mlp and c.long_sequence.mlp_tiles is None and c.long_sequence.tiled_loss
+    assert c.long_sequence.loss_tile_bytes == 256 << 20 and not c.long_sequence.offload_hidden_states
+    with pytest.raises(ConfigError, match="long_sequence.tiled_mpl.*tiled_mlp"):
+        from_deepspeed({"train_batch_size": 2, "long_sequence": {"tiled_mpl": True}}, 2)
+    with pytest.raises(ConfigError, match="long_sequence.mlp_tiles"):
+        from_deepspeed({"train_batch_size": 2, "long_sequence": {"mlp_tiles": 0}}, 2)
