@@ -231,3 +231,54 @@ def loader_batches(rank: int, world: int) -> list[dict]:
                                          sp_group=groups._get_sequence_parallel_group(),
                                          sp_world_size=groups._get_sequence_parallel_world_size(), device="cpu")
     return [len(adapter)] + list(adapter)
+
+
+class _Rows(torch.utils.data.Dataset):
+    """Random token rows with position ids (what Ulysses needs), labels = inputs."""
+
+    def __init__(self, rows: int, seq: int = SEQ) -> None:
+        g = torch.Generator().manual_seed(5)
+        self.ids = torch.randint(0, VOCAB, (rows, seq), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, index: int) -> dict:
+        return {"input_ids": self.ids[index], "labels": self.ids[index],
+                "position_ids": torch.arange(self.ids.shape[1])}
+
+
+def trainer_run(rank: int, world: int, folder: str, sp: int, long_sequence: dict | None = None) -> dict:
+    """zero3.hf.Trainer with TrainingArguments(parallelism_config=ParallelismConfig(sp_backend=
+    "deepspeed", sp_size=sp)) (sp 1: none), 4 optimizer steps; the logged losses and the
+    trained weights."""
+    from transformers import TrainerCallback, TrainingArguments
+
+    import zero3.hf
+
+    losses: list[float] = []
+
+    class Losses(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs:
+                losses.append(logs["loss"])
+
+    extra = {}
+    if sp > 1:
+        from accelerate import ParallelismConfig
+
+        extra["parallelism_config"] = ParallelismConfig(sp_backend="deepspeed", sp_size=sp)
+    args = TrainingArguments(output_dir=str(Path(folder) / f"sp{sp}"), per_device_train_batch_size=1,
+                             max_steps=4, learning_rate=1e-2, max_grad_norm=1.0, logging_steps=1, report_to=[],
+                             save_strategy="no", seed=0, disable_tqdm=True, use_cpu=True, lr_scheduler_type="constant",
+                             dataloader_drop_last=True, **extra)
+    cfg = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+           "gradient_clipping": "auto", "zero_optimization": {"stage": 3}}
+    if long_sequence:
+        cfg["long_sequence"] = long_sequence
+    trainer = zero3.hf.Trainer(model=build_model(), args=args, train_dataset=_Rows(16),
+                               zero3_config=cfg, callbacks=[Losses()])
+    trainer.train()
+    weights = {k: v.clone() for k, v in trainer.zero3_engine.state_dict().items()}
+    trainer.zero3_engine.destroy()
+    return {"losses": losses, "weights": weights}

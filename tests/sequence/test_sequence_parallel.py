@@ -107,3 +107,21 @@ def test_bad_inputs_are_clear_errors_on_every_rank():
         assert seen["odd_length"][0] == "ValueError" and "pad_to_multiple_of" in seen["odd_length"][1]
         assert seen["no_positions"][0] == "ValueError" and "position_ids" in seen["no_positions"][1]
         assert seen["mismatched_mpu"][0] == "ConfigError" and "mpu" in seen["mismatched_mpu"][1]
+
+
+def test_trainer_with_parallelism_config_sp_matches_one_rank_without(tmp_path):
+    """zero3.hf.Trainer with TrainingArguments(parallelism_config=ParallelismConfig(sp_backend=
+    "deepspeed", sp_size=2)) on 2 ranks trains on the sequences that one rank without sequence
+    parallelism trains on, in the same order (each group shares its ranks' rows), with the
+    same losses and weights; the long_sequence pieces on top change nothing beyond rounding."""
+    alone = run_ranks(sp_cases.trainer_run, 1, str(tmp_path), 1, timeout=300, env=ENV)[0]
+    split = run_ranks(sp_cases.trainer_run, 2, str(tmp_path), 2, timeout=300, env=ENV)
+    tiled = run_ranks(sp_cases.trainer_run, 2, str(tmp_path), 2,
+                      {"tiled_mlp": True, "mlp_tiles": 2, "tiled_loss": True, "loss_tile_bytes": 1024,
+                       "offload_hidden_states": True}, timeout=300, env=ENV)
+    assert len(alone["losses"]) == 4
+    for run in (*split, *tiled):
+        assert run["losses"] == pytest.approx(alone["losses"], abs=1e-5, rel=0)
+        # 4 AdamW steps at lr 1e-2: a gradient that differs by rounding where it is near zero moves
+        # a weight by up to a fraction of lr; 1e-4 is 1% of lr
+        _close(run["weights"], alone["weights"], atol=1e-4)

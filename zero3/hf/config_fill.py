@@ -24,6 +24,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from zero3.hf.sequence_parallel import sp_size_of
+
 AUTO = "auto"
 HIDDEN_SIZE_KEYS = ("zero_optimization.reduce_bucket_size", "zero_optimization.stage3_prefetch_bucket_size",
                     "zero_optimization.stage3_param_persistence_threshold")
@@ -87,8 +89,12 @@ def fill_from_arguments(config: dict, args: Any) -> dict:
     micro, steps = args.per_device_train_batch_size, args.gradient_accumulation_steps
     filled.fill("train_micro_batch_size_per_gpu", micro, "per_device_train_batch_size")
     filled.fill("gradient_accumulation_steps", steps, "gradient_accumulation_steps")
-    filled.fill("train_batch_size", args.world_size * micro * steps,
-                "world_size x per_device_train_batch_size x gradient_accumulation_steps")
+    sp = sp_size_of(args)
+    filled.fill("train_batch_size", args.world_size // sp * micro * steps,
+                "world_size / sp_size x per_device_train_batch_size x gradient_accumulation_steps")
+    if sp > 1:
+        filled.config.setdefault("sequence_parallel_size", sp)
+        filled.fill("sequence_parallel_size", sp, "parallelism_config.sp_size")
     filled.fill("gradient_clipping", args.max_grad_norm, "max_grad_norm")
     filled.fill("optimizer.params.lr", args.learning_rate, "learning_rate")
     filled.fill("optimizer.params.betas", [args.adam_beta1, args.adam_beta2], "[adam_beta1, adam_beta2]")

@@ -58,9 +58,11 @@ def _check_parallelism(config: Any) -> None:
         return
     for size in ("tp_size", "cp_size", "sp_size", "dp_shard_size"):
         value = getattr(config, size, 1) or 1
+        if size == "sp_size" and getattr(config, "sp_backend", None) == "deepspeed":
+            continue  # Ulysses sequence parallelism: zero3's own (hf/sequence_parallel.py)
         if value > 1:
-            _refuse(f"parallelism_config.{size}", value, "zero3 is data parallel with ZeRO-3 sharding only; "
-                    "remove the parallelism_config")
+            _refuse(f"parallelism_config.{size}", value, "zero3 has ZeRO-3 sharding and Ulysses sequence "
+                    "parallelism (sp_backend=\"deepspeed\", sp_size) only; remove the other sizes")
 
 
 def check_model(model: Any) -> None:

@@ -43,7 +43,7 @@ from transformers.trainer import _is_peft_model
 
 from zero3.api import initialize
 from zero3.engine import Engine
-from zero3.hf import checkpoints, config_fill, options, reference
+from zero3.hf import checkpoints, config_fill, options, reference, sequence_parallel
 from zero3.hf.callbacks import GatheredEvaluationCallbacks
 from zero3.hf.facades import EngineOptimizer, EngineScheduler
 
@@ -82,7 +82,12 @@ class Zero3TrainerMixin:
             kwargs["gradient_accumulation_plugin"] = dataclasses.replace(plugin, sync_each_batch=True)
         accelerator_args = super()._build_accelerator_args(**kwargs)
         accelerator_args["mixed_precision"] = "no"
+        accelerator_args.pop("parallelism_config", None)  # sequence parallelism is the engine's (get_sp_size)
         return accelerator_args
+
+    def get_sp_size(self) -> int:
+        """The Ulysses degree of the arguments' ParallelismConfig (the engine runs it, not Accelerate)."""
+        return sequence_parallel.sp_size_of(self.args)
 
     def _move_model_to_device(self, model: Any, device: Any) -> None:
         """Nothing: the engine places the model on its device (a model built inside
@@ -143,8 +148,16 @@ class Zero3TrainerMixin:
             checkpoints.load_training_state(engine, resume_from_checkpoint, frozen_may_be_missing=self._zero3_is_peft)
         for attr in ("model", "optimizer", "lr_scheduler"):
             setattr(self.callback_handler, attr, getattr(self, attr))
+        train_dataloader = sequence_parallel.wrap_loader(train_dataloader, engine.device)
         self.callback_handler.train_dataloader = train_dataloader
         return engine, train_dataloader
+
+    def compute_loss(self, model: Any, inputs: dict, return_outputs: bool = False, num_items_in_batch: Any = None):
+        """Under Ulysses sequence parallelism (training), the sequences' loss from the slices'
+        (hf/sequence_parallel.py); otherwise the Trainer's."""
+        if sequence_parallel.sp_size_of(self.args) > 1 and model.training:
+            return sequence_parallel.compute_loss(model, inputs, return_outputs)
+        return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
 
     def _wrap_model(self, model: Any, training: bool = True, dataloader: Any = None) -> Any:
         """Evaluation and prediction run through the engine (built for them if training has not)."""
