@@ -286,11 +286,43 @@ def estimate(args: argparse.Namespace) -> int:
     else:
         print(f"  plus the largest fetch unit gathered while it runs ({_human(result.gathered_unit)}, "
               "twice with prefetch) and activations")
+    if args.seq:
+        _print_activations(args)
     zero = _estimate_config(args)["zero_optimization"]
     nvme = any((zero.get(key) or {}).get("device") == "nvme" for key in ("offload_param", "offload_optimizer"))
     if args.gpu_budget or args.gpu_memory or args.ratio is not None or nvme:
         _print_placement(args, model)
     return 0
+
+
+def _print_activations(args: argparse.Namespace) -> None:
+    """Activations at --seq tokens a sequence (placement/activations.py), with the config's
+    long_sequence section and sequence_parallel_size."""
+    from zero3.config import from_deepspeed
+    from zero3.placement.activations import ModelShape, estimate_activations
+
+    if not args.model_config:
+        raise SystemExit("zero3 estimate --seq needs --model-config (the layer sizes set the activations)")
+    from transformers import AutoConfig
+
+    shape = ModelShape.of_hf_config(AutoConfig.from_pretrained(args.model_config))
+    parsed = from_deepspeed(_estimate_config(args), world_size=args.world_size)
+    section = parsed.long_sequence
+    result = estimate_activations(
+        shape, args.seq, parsed.train_micro_batch_size_per_gpu, torch_width(parsed.precision.dtype),
+        parsed.sequence_parallel_size, checkpointing=not args.no_checkpointing, tiled_mlp=section.tiled_mlp,
+        mlp_tiles=section.mlp_tiles, tiled_loss=section.tiled_loss,
+        loss_tile_bytes=section.loss_tile_bytes or (1 << 30), offload_hidden_states=section.offload_hidden_states)
+    kept = "host" if section.offload_hidden_states else "device"
+    print(f"  activations at seq {args.seq:,} ({result.tokens:,} tokens a rank): device {_human(result.device)} "
+          f"(layer inputs {_human(result.kept_inputs)} on the {kept}, one layer's backward "
+          f"{_human(result.layer_working)}, loss {_human(result.loss)}), host {_human(result.host)}")
+
+
+def torch_width(dtype) -> int:
+    import torch
+
+    return torch.empty(0, dtype=dtype).element_size()
 
 
 def _print_placement(args: argparse.Namespace, model) -> None:
@@ -372,6 +404,9 @@ def _parser() -> argparse.ArgumentParser:
                    "what it measured after its first window under an auto budget); added to the predicted peak")
     p.add_argument("--ratio", type=float, help="offload_optimizer.ratio (DeepSpeed's share of the optimizer "
                    "state on the host)")
+    p.add_argument("--seq", type=int, help="with --model-config: the activations of one sequence of this many "
+                   "tokens a micro-batch row, with the config's long_sequence section and sequence_parallel_size")
+    p.add_argument("--no-checkpointing", action="store_true", help="with --seq: no activation checkpointing")
     return parser
 
 

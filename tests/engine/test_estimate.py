@@ -149,3 +149,41 @@ def test_bytes_a_parameter_of_each_precision_setting():
         estimate = estimate_memory(n, 1, merged(extra), device_type="cuda").by_category()
         per_element = sum(v for k, v in estimate.items() if k != "resident_params") - 4  # Adam's step counter
         assert per_element == per_param * n, (extra, estimate)
+
+
+def test_activations_by_sequence_length():
+    """placement/activations.py's count: the loss grows as seq x vocab until tiled, the kept
+    layer inputs as layers x seq x hidden and move to the host with offload_hidden_states, the
+    MLP's share shrinks to a tile, and sequence parallelism divides the tokens."""
+    from zero3.placement.activations import ModelShape, estimate_activations
+
+    shape = ModelShape(layers=32, hidden=4096, intermediate=14336, heads=32, kv_heads=8, vocab=128256)
+    plain = estimate_activations(shape, 32768)
+    assert plain.loss == 32768 * 128256 * 10  # fp32 logits and their gradient, bf16 logits
+    assert plain.kept_inputs == 32 * 32768 * 4096 * 2 and plain.host == 0
+    assert plain.device == plain.kept_inputs + max(plain.layer_working, plain.loss)
+    tiled = estimate_activations(shape, 32768, tiled_mlp=True, tiled_loss=True, offload_hidden_states=True)
+    assert tiled.host == plain.kept_inputs and tiled.loss < (3 << 30)
+    mlp = 6 * 32768 * 14336 * 2
+    assert plain.layer_working - tiled.layer_working == mlp - mlp // 8  # 8 tiles of hidden_size tokens
+    assert tiled.device == max(tiled.layer_working, tiled.loss)
+    split = estimate_activations(shape, 32768, sequence_parallel=4)
+    assert split.tokens == 8192 and split.kept_inputs == plain.kept_inputs // 4
+    eager = estimate_activations(shape, 4096, checkpointing=False)
+    assert eager.device == 32 * eager.layer_working + eager.loss
+
+
+def test_cli_estimate_prints_activations_at_a_sequence_length(tmp_path):
+    pytest.importorskip("transformers", reason="the hf extra is not installed: pip install zero3[hf]")
+    config = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256, "tie_word_embeddings": False}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True},
+                              "long_sequence": {"offload_hidden_states": True, "tiled_loss": True}}))
+    out = run_cli("--model-config", str(tmp_path), "--world-size", "1", "--config", str(ds), "--seq", "65536")
+    assert out.returncode == 0, out.stderr
+    line = next(x for x in out.stdout.splitlines() if "activations at seq 65,536" in x)
+    assert "on the host" in line and "host 16.0 MiB" in line  # 2 layers x 65536 x 64 x 2 bytes
+    out = run_cli("--params", "1000", "--world-size", "1", "--seq", "128")
+    assert out.returncode != 0 and "--model-config" in out.stderr
