@@ -345,6 +345,37 @@ def _print_placement(args: argparse.Namespace, model) -> None:
 
 
 # ------------------------------------------------------------------------ main
+def _estimate_parser(commands) -> None:
+    """`zero3 estimate`'s arguments."""
+    p = commands.add_parser("estimate", help="per-rank memory of a model for a world size and config")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--params", type=int, help="a parameter count")
+    source.add_argument("--model-config", help="a Hugging Face config.json (or its folder); needs zero3[hf]")
+    p.add_argument("--trainable", type=int, help="with --params: how many train (default: all)")
+    p.add_argument("--world-size", type=int, required=True, help="data-parallel ranks")
+    p.add_argument("--config", help="a DeepSpeed config JSON; the flags below override it")
+    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="compute dtype (default: the config's)")
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="the accelerator (default: cuda)")
+    p.add_argument("--offload-param", action="store_true", help="offload_param to cpu")
+    p.add_argument("--offload-optimizer", action="store_true", help="offload_optimizer to cpu")
+    p.add_argument("--persistence-threshold", type=int, help="stage3_param_persistence_threshold")
+    p.add_argument("--async-checkpoint", action="store_true",
+                   help="checkpoint.async_save: count the host buffer of asynchronous saves")
+    p.add_argument("--optimizer", choices=["adamw", "sgd", "sgd-momentum"], help="default: the config's, else AdamW")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--gpu-budget", help='placement.gpu_budget: bytes the engine\'s tensors may hold on the GPU '
+                   '("40GiB"); prints the placement and the predicted peak')
+    p.add_argument("--gpu-memory", help="instead of --gpu-budget: the card's memory (\"80GB\"); the budget is it "
+                   "less --activation-reserve and the engine's margin, as the engine's auto budget")
+    p.add_argument("--activation-reserve", default="0", help="activations at your micro-batch (the engine logs "
+                   "what it measured after its first window under an auto budget); added to the predicted peak")
+    p.add_argument("--ratio", type=float, help="offload_optimizer.ratio (DeepSpeed's share of the optimizer "
+                   "state on the host)")
+    p.add_argument("--seq", type=int, help="with --model-config: the activations of one sequence of this many "
+                   "tokens a micro-batch row, with the config's long_sequence section and sequence_parallel_size")
+    p.add_argument("--no-checkpointing", action="store_true", help="with --seq: no activation checkpointing")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="zero3", description="zero3 tools")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -380,33 +411,7 @@ def _parser() -> argparse.ArgumentParser:
                         "(the same under offload_optimizer) or a torch optimizer (client, or torch_adam); default: "
                         "what the checkpoint's recorded config builds, else torch")
     p.add_argument("--tag", help="the zero3 tag to export (default: what a tag-less load would pick)")
-    p = commands.add_parser("estimate", help="per-rank memory of a model for a world size and config")
-    source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument("--params", type=int, help="a parameter count")
-    source.add_argument("--model-config", help="a Hugging Face config.json (or its folder); needs zero3[hf]")
-    p.add_argument("--trainable", type=int, help="with --params: how many train (default: all)")
-    p.add_argument("--world-size", type=int, required=True, help="data-parallel ranks")
-    p.add_argument("--config", help="a DeepSpeed config JSON; the flags below override it")
-    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="compute dtype (default: the config's)")
-    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="the accelerator (default: cuda)")
-    p.add_argument("--offload-param", action="store_true", help="offload_param to cpu")
-    p.add_argument("--offload-optimizer", action="store_true", help="offload_optimizer to cpu")
-    p.add_argument("--persistence-threshold", type=int, help="stage3_param_persistence_threshold")
-    p.add_argument("--async-checkpoint", action="store_true",
-                   help="checkpoint.async_save: count the host buffer of asynchronous saves")
-    p.add_argument("--optimizer", choices=["adamw", "sgd", "sgd-momentum"], help="default: the config's, else AdamW")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument("--gpu-budget", help='placement.gpu_budget: bytes the engine\'s tensors may hold on the GPU '
-                   '("40GiB"); prints the placement and the predicted peak')
-    p.add_argument("--gpu-memory", help="instead of --gpu-budget: the card's memory (\"80GB\"); the budget is it "
-                   "less --activation-reserve and the engine's margin, as the engine's auto budget")
-    p.add_argument("--activation-reserve", default="0", help="activations at your micro-batch (the engine logs "
-                   "what it measured after its first window under an auto budget); added to the predicted peak")
-    p.add_argument("--ratio", type=float, help="offload_optimizer.ratio (DeepSpeed's share of the optimizer "
-                   "state on the host)")
-    p.add_argument("--seq", type=int, help="with --model-config: the activations of one sequence of this many "
-                   "tokens a micro-batch row, with the config's long_sequence section and sequence_parallel_size")
-    p.add_argument("--no-checkpointing", action="store_true", help="with --seq: no activation checkpointing")
+    _estimate_parser(commands)
     return parser
 
 
