@@ -9,6 +9,7 @@
 set -u
 out=${OUT:-bench/out}
 mkdir -p "$out"
+rm -rf /tmp/site
 if ls .whl/*.whl >/dev/null 2>&1; then  # the project's pinned HF versions over the machine's
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         2>&1 | grep -v "WARNING: Target directory" | tail -3
