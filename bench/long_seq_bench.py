@@ -15,9 +15,10 @@ first that runs out of memory, which is recorded):
 - `plain`: plain Hugging Face, a bf16 model's forward and backward with HF gradient
   checkpointing and its own loss, no optimizer (its out-of-memory length is the point);
 - `deepspeed`: DeepSpeed 0.19.8 with its ALST pieces called as its docs show: TiledMLP
-  patched into LlamaMLP.forward, TiledFusedLogitsLoss for the loss, HF gradient checkpointing
-  through deepspeed.checkpointing.checkpoint with cpu_checkpointing, both offloads, the same
-  bf16 keys and AdamW.
+  patched into LlamaMLP.forward, TiledFusedLogitsLoss for the loss (1 GiB of fp32 logits a
+  tile), HF gradient checkpointing (non-reentrant) with the checkpointed hidden states on the
+  host through its `get_checkpoint_hidden_states_offloading_ctx_manager` around forward and
+  backward, both offloads, the same bf16 keys and AdamW (DeepSpeedCPUAdam, built at first use).
 
 Model: the Llama-3-8B shape (hidden 4096, 32 layers, FF 14336, 32 heads, 8 KV heads, vocab
 128256; 8.03B parameters) or smaller with the flags; random weights, random tokens, batch 1,
@@ -38,6 +39,7 @@ import time
 
 import torch
 
+GIB = 1 << 30
 ROOT = os.environ.get("ZERO3_TREE") or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
@@ -54,6 +56,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--vocab", type=int, default=128256)
     p.add_argument("--rows", default=None)
+    p.add_argument("--trace", action="store_true",
+                   help="zero3's placement log and each step's GPU peak after forward and backward, and what stays after the step")
     p.add_argument("--table", default=None, help="print the table of a rows file and exit")
     return p.parse_args()
 
@@ -102,8 +106,13 @@ def zero3_engine(args, lora: bool):
 
     def step(inputs):
         loss = engine(**inputs).loss
+        forward_peak = torch.cuda.max_memory_allocated()
         engine.backward(loss)
+        backward_peak = torch.cuda.max_memory_allocated()  # the placement resets the peak at each step
         engine.step()
+        if args.trace:
+            print(f"    GPU GiB: peak after forward {forward_peak / GIB:.2f}, after backward {backward_peak / GIB:.2f}; "
+                  f"held after the step {torch.cuda.memory_allocated() / GIB:.2f}", flush=True)
         return loss
 
     return step, sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters())
@@ -130,6 +139,8 @@ def deepspeed_engine(args):
     import math
 
     import deepspeed
+    from deepspeed.runtime.activation_checkpointing.offload_activations import (
+        get_checkpoint_hidden_states_offloading_ctx_manager)
     from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledFusedLogitsLoss, TiledMLP
     from transformers import LlamaForCausalLM
     from transformers.models.llama import modeling_llama
@@ -143,26 +154,25 @@ def deepspeed_engine(args):
     modeling_llama.LlamaMLP.forward = tiled_mlp_forward
     config = zero3_config(False)
     del config["long_sequence"]
-    config["activation_checkpointing"] = {"cpu_checkpointing": True, "partition_activations": False}
     with deepspeed.zero.Init(config_dict_or_path=config):
         model = LlamaForCausalLM(llama_config(args))
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-    deepspeed.checkpointing.configure(None, deepspeed_config=config)
-    model.gradient_checkpointing_enable()
-    model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=deepspeed.checkpointing.checkpoint)
-    model.train()
+    engine.train()
 
     def loss_fn(head, x, y):
         return torch.nn.functional.cross_entropy(head(x).float(), y, ignore_index=-100, reduction="sum")
 
     def step(inputs):
-        hidden = engine.module.model(input_ids=inputs["input_ids"], position_ids=inputs["position_ids"]).last_hidden_state
-        labels = torch.nn.functional.pad(inputs["labels"], (0, 1), value=-100)[..., 1:]
-        shards = max(1, math.ceil(labels.numel() * args.vocab * 4 / (1 << 30)))
-        total = TiledFusedLogitsLoss.apply(loss_fn, engine.module.lm_head, hidden, labels, None, shards,
-                                           [engine.module.lm_head.weight], "sum")
-        loss = total / (labels != -100).sum()
-        engine.backward(loss)
+        with get_checkpoint_hidden_states_offloading_ctx_manager():  # the hidden states on the host
+            hidden = engine.module.model(input_ids=inputs["input_ids"],
+                                         position_ids=inputs["position_ids"]).last_hidden_state
+            labels = torch.nn.functional.pad(inputs["labels"], (0, 1), value=-100)[..., 1:]
+            shards = max(1, math.ceil(labels.numel() * args.vocab * 4 / (1 << 30)))
+            total = TiledFusedLogitsLoss.apply(loss_fn, engine.module.lm_head, hidden, labels, None, shards,
+                                               [engine.module.lm_head.weight], "sum")
+            loss = total / (labels != -100).sum()
+            engine.backward(loss)
         engine.step()
         return loss
 
@@ -188,6 +198,11 @@ def model_flops(args, params: int, seq: int, trainable_share: float) -> float:
 def run(args) -> None:
     engines = {"zero3": lambda: zero3_engine(args, False), "zero3_lora": lambda: zero3_engine(args, True),
                "plain": lambda: plain_engine(args), "deepspeed": lambda: deepspeed_engine(args)}
+    if args.trace:
+        import logging
+
+        logging.basicConfig(level=logging.WARNING, format="    %(name)s: %(message)s")
+        logging.getLogger("zero3").setLevel(logging.INFO)
     start = time.perf_counter()
     step, params = engines[args.engine]()
     print(f"{args.engine}: built {params / 1e9:.2f}B parameters in {time.perf_counter() - start:.0f} s", flush=True)

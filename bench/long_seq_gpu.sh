@@ -13,7 +13,7 @@ rm -rf /tmp/site
 if ls .whl/*.whl >/dev/null 2>&1; then  # the project's pinned HF versions over the machine's
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         2>&1 | grep -v "WARNING: Target directory" | tail -3
-    export PYTHONPATH=/tmp/site:$PWD
+    export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH  # ninja: DeepSpeed builds its CPU Adam at first use
 else
     export PYTHONPATH=$PWD
 fi
