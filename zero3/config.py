@@ -267,13 +267,17 @@ class LongSequenceConfig:
     each decoder layer's MLP over tiles of tokens (``mlp_tiles`` a forward; None: "auto",
     ceil(tokens / hidden_size)). ``tiled_loss``: the loss over tiles of at most
     ``loss_tile_bytes`` of fp32 logits, never the full logits. ``offload_hidden_states``: each
-    decoder layer checkpointed with its input in pinned host memory."""
+    decoder layer checkpointed with its input in pinned host memory, up to ``host_bytes`` (None:
+    "auto", the host's available memory less a reserve), the earliest layers' inputs beyond it in
+    swap files under ``nvme_path`` (None: none; a forward that does not fit is refused)."""
 
     tiled_mlp: bool = False
     mlp_tiles: int | None = None
     tiled_loss: bool = False
     loss_tile_bytes: int | None = None
     offload_hidden_states: bool = False
+    host_bytes: int | None = None
+    nvme_path: str | None = None
 
 
 @dataclass(frozen=True)
@@ -862,6 +866,14 @@ _LONG_SEQUENCE_RULES: dict[str, _Rule] = {
     "offload_hidden_states": _Map("offload_hidden_states", _bool, "zero3 only: every decoder layer is "
                                   "checkpointed with its input in pinned host memory, copied on side streams "
                                   "(in place of HF gradient checkpointing for those layers)"),
+    "host_bytes": _Map("host_bytes", bytes_or_auto, 'zero3 only: with offload_hidden_states, host bytes for '
+                       'the saved layer inputs ("auto", the default: on a GPU the available host memory over '
+                       "the ranks of the machine, less a tenth of the host's memory; or bytes, \"60GiB\"); the "
+                       "earliest layers' inputs beyond it go to nvme_path"),
+    "nvme_path": _Map("nvme_path", _nvme_path, "zero3 only: with offload_hidden_states, the folder (a local "
+                      "NVMe drive) of the swap files of the layer inputs that host_bytes does not hold (null, "
+                      "the default: none, and a forward whose inputs do not fit the host is refused); the "
+                      "aio section tunes the I/O"),
 }
 
 

@@ -709,6 +709,12 @@ def test_sequence_parallel_keys():
                                                                  "loss_tile_bytes": "256MiB", "tiled_loss": True}}, 2)
     assert c.long_sequence.tiled_mlp and c.long_sequence.mlp_tiles is None and c.long_sequence.tiled_loss
     assert c.long_sequence.loss_tile_bytes == 256 << 20 and not c.long_sequence.offload_hidden_states
+    assert c.long_sequence.host_bytes is None and c.long_sequence.nvme_path is None
+    c = from_deepspeed({"train_batch_size": 2, "long_sequence": {"offload_hidden_states": True, "host_bytes": "60GiB",
+                                                                 "nvme_path": "/local_nvme"}}, 2)
+    assert c.long_sequence.host_bytes == 60 << 30 and c.long_sequence.nvme_path == "/local_nvme"
+    with pytest.raises(ConfigError, match="long_sequence.nvme_path"):
+        from_deepspeed({"train_batch_size": 2, "long_sequence": {"nvme_path": ""}}, 2)
     with pytest.raises(ConfigError, match="long_sequence.tiled_mpl.*tiled_mlp"):
         from_deepspeed({"train_batch_size": 2, "long_sequence": {"tiled_mpl": True}}, 2)
     with pytest.raises(ConfigError, match="long_sequence.mlp_tiles"):

@@ -141,6 +141,7 @@ def parity_and_resume(rank: int, world: int, sp: int, folder: str, long_sequence
     later = train(engine, data, sp, sp_rank, 1, STEPS)
     out["sp"]["losses"] += later["losses"]
     out["sp_params"] = full_params(engine)
+    out["spilled_bytes"] = _spilled_bytes(engine)
     engine.destroy()
 
     engine = initialize(build_model(lora=lora, seed=7), config(sp, long_sequence))
@@ -156,6 +157,13 @@ def parity_and_resume(rank: int, world: int, sp: int, folder: str, long_sequence
     out["whole_resumed_params"] = full_params(engine)
     engine.destroy()
     return out
+
+
+def _spilled_bytes(engine) -> int:
+    from zero3.sequence import long_context
+
+    state = next((long_context._STATES[m] for m in engine.module.modules() if m in long_context._STATES), None)
+    return state.store.bytes_spilled if state is not None and state.store is not None else 0
 
 
 def tiled_parity(rank: int, world: int, lora: bool, hf_checkpointing: bool) -> dict:

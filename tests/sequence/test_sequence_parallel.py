@@ -61,11 +61,15 @@ def test_sp4_with_fewer_kv_heads_than_ranks(tmp_path):
 
 
 def test_sp2_times_dp2_on_four_ranks_with_lora_and_the_tiled_pieces(tmp_path):
+    """The hidden states go to NVMe swap files here (no host share): they come back exactly."""
+    (tmp_path / "hidden").mkdir()
     pieces = {"tiled_mlp": True, "mlp_tiles": 3, "tiled_loss": True, "loss_tile_bytes": 1024,
-              "offload_hidden_states": True}
+              "offload_hidden_states": True, "host_bytes": 0, "nvme_path": str(tmp_path / "hidden")}
     results = run_ranks(sp_cases.parity_and_resume, 4, 2, str(tmp_path), pieces, True, timeout=600, env=ENV)
     _check_parity_and_resume(results, 2)
     assert results[0]["whole"]["losses"] != results[2]["whole"]["losses"], "the two groups read distinct batches"
+    assert all(r["spilled_bytes"] > 0 for r in results), "every rank's layer inputs went through the swap files"
+    assert not list((tmp_path / "hidden" / "zero3_swap").glob("*/hidden*.swp")), "destroy() removes them"
 
 
 @pytest.mark.parametrize("lora,hf_checkpointing", [(False, False), (True, True)])

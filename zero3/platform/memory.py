@@ -12,9 +12,18 @@ from pathlib import Path
 
 def available_host_bytes() -> int | None:
     """MemAvailable of /proc/meminfo in bytes; None where the system does not say."""
+    return _meminfo("MemAvailable:")
+
+
+def total_host_bytes() -> int | None:
+    """MemTotal of /proc/meminfo in bytes; None where the system does not say."""
+    return _meminfo("MemTotal:")
+
+
+def _meminfo(field: str) -> int | None:
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
+            if line.startswith(field):
                 return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         return None

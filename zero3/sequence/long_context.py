@@ -12,8 +12,10 @@ Three independent pieces, each turned on by its key, each changing no value beyo
   `num_items_in_batch`), the output's `logits` None. Without labels (generation, evaluation
   asking for logits) the model's own forward runs.
 - `offload_hidden_states`: every decoder layer is checkpointed with its input on the host
-  (sequence/host_checkpoint.py); it takes the place of HF gradient checkpointing for those
-  layers (GradientCheckpointingLayer's own checkpoint is bypassed, not stacked).
+  (sequence/host_checkpoint.py), up to `host_bytes`, the earliest layers' inputs beyond it in
+  swap files under `nvme_path` (sequence/hidden_spill.py); it takes the place of HF gradient
+  checkpointing for those layers (GradientCheckpointingLayer's own checkpoint is bypassed,
+  not stacked).
 
 How: the module's class is swapped for a subclass made once per class (the way FSDP2's
 `fully_shard` changes a module's class), whose `forward` adds the piece and then runs the
@@ -35,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from zero3.sequence.hidden_spill import SpillSettings
 from zero3.sequence.host_checkpoint import HostStore, checkpoint_on_host
 from zero3.sequence.tiled import TiledFusedLogitsLoss, TiledMLP
 
@@ -59,6 +62,8 @@ class LongSequenceSettings:
     tiled_loss: bool = False
     loss_tile_bytes: int = DEFAULT_LOSS_TILE_BYTES
     offload_hidden_states: bool = False
+    host_bytes: int | None = None         # None: "auto"
+    spill: SpillSettings | None = None    # the NVMe tier of the hidden states, or none
 
     @property
     def any(self) -> bool:
@@ -254,10 +259,11 @@ def apply(model: nn.Module, settings: LongSequenceSettings) -> LongSequenceState
                                 "zero3.runtime.sequence_parallel.ulysses_sp's TiledMLP / TiledFusedLogitsLoss in "
                                 "the model's code.")
     hidden = causal_lm.config.get_text_config().hidden_size
-    state = LongSequenceState(settings=settings, hidden_size=hidden, store=HostStore(), swapped=[])
     if settings.tiled_loss:
         _check_plain_logits(causal_lm)
     layers = _decoder_layers(causal_lm) if settings.tiled_mlp or settings.offload_hidden_states else []
+    store = HostStore(len(layers), settings.host_bytes, settings.spill) if settings.offload_hidden_states else None
+    state = LongSequenceState(settings=settings, hidden_size=hidden, store=store, swapped=[])
     mlps = [_mlp_of(layer) for layer in layers] if settings.tiled_mlp else []
     for mlp in mlps:
         _swap(mlp, _TiledMLPMixin, state, state.swapped)
@@ -270,8 +276,12 @@ def apply(model: nn.Module, settings: LongSequenceSettings) -> LongSequenceState
 
 
 def revert(state: LongSequenceState | None) -> None:
-    """Put every swapped module's class back."""
-    if state is None or not state.swapped:
+    """Put every swapped module's class back and end the host store (its NVMe files removed)."""
+    if state is None:
+        return
+    if state.store is not None:
+        state.store.close()
+    if not state.swapped:
         return
     for module, base in reversed(state.swapped):
         module.__class__ = base

@@ -10,16 +10,22 @@ from typing import Any
 from torch import nn
 
 from zero3.config import Zero3Config
+from zero3.nvme.io import IssueSettings
 from zero3.platform import sequence_groups
 from zero3.sequence import long_context, ulysses
+from zero3.sequence.hidden_spill import SpillSettings
 
 
 def settings_of(config: Zero3Config) -> long_context.LongSequenceSettings:
-    section = config.long_sequence
+    section, aio = config.long_sequence, config.aio
+    spill = None
+    if section.nvme_path is not None:
+        spill = SpillSettings(section.nvme_path, IssueSettings(aio.block_size, aio.queue_depth, aio.intra_op_parallelism,
+                                                               aio.single_submit, aio.overlap_events))
     return long_context.LongSequenceSettings(
         tiled_mlp=section.tiled_mlp, mlp_tiles=section.mlp_tiles, tiled_loss=section.tiled_loss,
         loss_tile_bytes=section.loss_tile_bytes or long_context.DEFAULT_LOSS_TILE_BYTES,
-        offload_hidden_states=section.offload_hidden_states)
+        offload_hidden_states=section.offload_hidden_states, host_bytes=section.host_bytes, spill=spill)
 
 
 def prepare(model: Any, config: Zero3Config) -> long_context.LongSequenceState | None:
