@@ -369,8 +369,14 @@ class MeasuredPlacement:
         self.rank = rank
         measuring = choice.measure_first and owners.placement.compute_device.type == "cuda"
         self.rounds_left = self.ROUNDS if measuring else 0
+        self.allocated_at_start = 0
         if measuring:
-            torch.cuda.reset_peak_memory_stats(owners.placement.compute_device)
+            self._start_window(owners.placement.compute_device)
+
+    def _start_window(self, device: torch.device) -> None:
+        """The peak is measured from here, above what is allocated now."""
+        torch.cuda.reset_peak_memory_stats(device)
+        self.allocated_at_start = torch.cuda.memory_allocated(device)
 
     @property
     def pending(self) -> bool:
@@ -383,13 +389,12 @@ class MeasuredPlacement:
         self.rounds_left -= 1
         device = self.owners.placement.compute_device
         before = self.owners.placement.plan
-        state_on_device = before.state_bytes_on_device if before is not None else 0
-        choice = measured_budget(device, torch.cuda.max_memory_allocated(device), state_on_device)
+        choice = measured_budget(device, torch.cuda.max_memory_allocated(device), self.allocated_at_start)
         if self.rounds_left == self.ROUNDS - 1:
             self._place(choice)  # the provisional plan replaced: pieces move either way
         elif before is not None and before.budget is not None and choice.budget > before.budget:
             self._widen(before, replace(choice, source=choice.source + " (second window)"))
-        torch.cuda.reset_peak_memory_stats(device)
+        self._start_window(device)
 
     def _widen(self, current: Plan, choice: BudgetChoice) -> None:
         """More on the device under the larger budget of `choice`, nothing back to the
