@@ -549,6 +549,20 @@ def _same(a: Any, b: Any) -> bool:
     return a == b
 
 
+TYPO_CUTOFF = 0.85  # difflib ratio above which an unknown top-level key is taken for a misspelt known one
+
+
+def _unknown_top_level(key: str, value: Any, section: _Section) -> None:
+    """DeepSpeed 0.19.8 reads the top-level keys it knows and ignores the others
+    (`comms_config`, `monitor_config` in real configs): accepted with a warning. One that
+    is a near spelling of a known key (`gradient_cliping`) is a typo whose setting would be
+    lost, and is refused as in a section (`_unknown`)."""
+    if difflib.get_close_matches(key, list(section.rules), n=1, cutoff=TYPO_CUTOFF):
+        _unknown(key, key, value, section)
+    _warn_inert(key, value, "DeepSpeed 0.19.8 ignores top-level keys it does not know, and so does zero3 "
+                "(docs/config.md lists the known ones)")
+
+
 def _unknown(key: str, name: str, value: Any, section: _Section) -> NoReturn:
     """Raise for a key no table knows, suggesting the nearest known one."""
     known = list(section.rules)
@@ -572,6 +586,9 @@ def _parse_section(section: _Section, raw: Any) -> dict[str, Any]:
     for name, value in raw.items():
         key = _join(section.name, str(name))
         rule = section.rules.get(name)
+        if rule is None and not section.name:
+            _unknown_top_level(key, value, section)
+            continue
         if rule is None:
             _unknown(key, str(name), value, section)
         if isinstance(value, str) and value == "auto":
@@ -625,6 +642,14 @@ def _int(minimum: int | None = 0) -> Converter:
 def _int_or_none(minimum: int = 0) -> Converter:
     """Converter: ``null`` or an integer at least ``minimum``."""
     return lambda key, value: None if value is None else _to_int(key, value, minimum)
+
+
+def _steps_or_never(key: str, value: Any) -> int | None:
+    """Converter: a whole number >= 1, or null / Infinity (Accelerate's DeepSpeed path writes
+    float("inf"), which DeepSpeed takes as never reaching the step): never."""
+    if isinstance(value, float) and value == math.inf:
+        return None
+    return None if value is None else _to_int(key, value, 1)
 
 
 def _float(minimum: float = 0.0, strict: bool = False) -> Converter:
@@ -1234,9 +1259,10 @@ def _precision(values: Mapping[str, Any]) -> PrecisionConfig:
             if fp16.get(name, 1) <= 0:
                 _fail(f"fp16.{name}", fp16[name], "must be > 0 with dynamic loss scaling (loss_scale 0)",
                       "Write a positive whole number.")
-    if fp16.get("auto_cast") and dtype != torch.float16:
-        _fail("fp16.auto_cast", True, "auto_cast casts inputs to float16 but fp16 is not enabled",
-              'Set "fp16": {"enabled": true}, or remove auto_cast.')
+    if fp16.get("auto_cast") and dtype != torch.float16:  # DeepSpeed 0.19.8 reads it only with fp16 on
+        _warn_inert("fp16.auto_cast", True, "it casts inputs to float16 only with fp16 enabled, and fp16 is off "
+                    "(DeepSpeed ignores it too); remove it, or enable fp16")
+        fp16 = {**fp16, "auto_cast": False}
     param_dtype = values.get("_data_types", {}).get("param_dtype")
     if param_dtype is not None and param_dtype != dtype:
         _fail("data_types.param_dtype", str(param_dtype).replace("torch.", ""),
@@ -1689,7 +1715,8 @@ _TOP_RULES: dict[str, _Rule] = {
                                "divide gradients before the reduction instead of after"),
     "gradient_predivide_factor": _Map("gradient_predivide_factor", _float(0.0, strict=True),
                                       "divide by this before the reduction, by world/factor after"),
-    "steps_per_print": _Map("steps_per_print", _int_or_none(1), "log every N optimizer steps (null: never)"),
+    "steps_per_print": _Map("steps_per_print", _steps_or_never, "log every N optimizer steps (null, or "
+                            "Infinity as Accelerate writes it: never)"),
     "wall_clock_breakdown": _Map("wall_clock_breakdown", _bool, "log forward/backward/step timings"),
     "memory_breakdown": _Map("memory_breakdown", _bool, "log memory use around forward/backward/step"),
     "dump_state": _Map("dump_state", _bool, "print the engine configuration at initialize"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import json
+import logging
 import pathlib
 import sys
 
@@ -242,7 +243,7 @@ def test_bf16_overflow_check_and_auto_cast():
     assert parse({"bf16": {"enabled": True, "check_grad_overflow": False}}).precision.check_grad_overflow is False
     assert parse().precision.check_grad_overflow is False
     assert parse({"fp16": {"enabled": True, "auto_cast": True}}).precision.auto_cast is True
-    assert "fp16 is not enabled" in error_of({"train_batch_size": 2, "fp16": {"auto_cast": True}})
+    assert parse({"fp16": {"auto_cast": True}}).precision.auto_cast is False  # DeepSpeed ignores it with fp16 off
 
 
 @pytest.mark.parametrize("name, dtype", [("fp32", torch.float32), ("BF16", torch.bfloat16),
@@ -585,8 +586,28 @@ def test_unknown_key_suggests_the_nearest(config, key, suggestion):
 
 
 def test_unknown_key_far_from_everything_still_names_the_closest():
-    message = error_of({"train_batch_size": 2, "qqqqqqqq": 1})
-    assert message.startswith("qqqqqqqq: unknown key") and "closest known key" in message
+    message = error_of({"train_batch_size": 2, "zero_optimization": {"qqqqqqqq": 1}})
+    assert message.startswith("zero_optimization.qqqqqqqq: unknown key") and "closest known key" in message
+
+
+@pytest.mark.parametrize("key", ["comms_config", "monitor_config", "qqqqqqqq"])
+def test_unknown_top_level_keys_are_ignored_with_a_warning_as_deepspeed_does(key, caplog):
+    with caplog.at_level(logging.WARNING, logger="zero3"):
+        c = cfg.from_deepspeed({"train_batch_size": 2, key: {"verbose": True}}, 2)
+    assert c.train_batch_size == 2
+    assert [r.getMessage() for r in caplog.records if key in r.getMessage()] == [
+        f'zero3: config key {key}={{"verbose": true}} is accepted and has no effect: DeepSpeed 0.19.8 ignores '
+        "top-level keys it does not know, and so does zero3 (docs/config.md lists the known ones)"]
+
+
+def test_deepspeed_lenient_values_are_accepted(caplog):
+    """fp16.auto_cast with fp16 off (DeepSpeed reads it only with fp16 on) warns and does
+    nothing; steps_per_print Infinity (what Accelerate writes) is never."""
+    with caplog.at_level(logging.WARNING, logger="zero3"):
+        c = cfg.from_deepspeed({"train_batch_size": 2, "fp16": {"enabled": False, "auto_cast": True},
+                                "steps_per_print": float("inf")}, 2)
+    assert c.steps_per_print is None and c.precision.dtype == torch.float32 and not c.precision.auto_cast
+    assert any("fp16.auto_cast=true is accepted and has no effect" in r.getMessage() for r in caplog.records)
 
 
 # ----------------------------------------------------------------- optimizer and scheduler
