@@ -260,3 +260,39 @@ def test_destroy_lets_go_of_the_optimizer_side_and_leaves_the_trained_module_who
     for r in run_ranks(destroyed, 2):
         assert r["same"] and r["shapes"] and math.isfinite(r["loss"]), r
         assert r["state"] == 0 and r["group_params"] == [0], r
+
+
+def lr_through_param_groups(rank: int, world: int):
+    """engine.optimizer.param_groups as DeepSpeed's: reading lr, and writing it before a step."""
+    import zero3
+
+    model = make_model()
+    engine, *_ = zero3.initialize(model=model, config={**config(1, 1), "optimizer": {"type": "AdamW",
+                                                                                       "params": {"lr": 1e-2}}})
+    batches = make_batches(2, 1)
+    seen = [group["lr"] for group in engine.optimizer.param_groups]
+    from zero3.checkpoint.export import consolidated_state_dict
+
+    before = consolidated_state_dict(engine)
+    x, y = batches[0]
+    engine.backward(engine(x, y))
+    for group in engine.optimizer.param_groups:
+        group["lr"] = 0.0
+    engine.step()
+    after = consolidated_state_dict(engine)
+    frozen = all(torch.equal(after[n], before[n]) for n in before)
+    for group in engine.optimizer.param_groups:
+        group["lr"] = 1e-2
+    x, y = batches[1]
+    engine.backward(engine(x, y))
+    engine.step()
+    last = consolidated_state_dict(engine)
+    moved = any(not torch.equal(last[n], before[n]) for n in before)
+    return seen, frozen, moved, engine.get_lr(), len(before)
+
+
+def test_optimizer_param_groups_read_and_set_lr():
+    results = run_ranks(lr_through_param_groups, 2)
+    seen, frozen, moved, lr, count = results[0]  # rank 0 holds the consolidated weights
+    assert count > 0 and frozen and moved, "lr 0 set in param_groups kept the weights; lr 1e-2 moved them"
+    assert all(r[0] == [1e-2] and r[3] == [1e-2] for r in results)

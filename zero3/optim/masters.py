@@ -426,6 +426,17 @@ class ShardedOptimizer:
         # lr schedulers warn when the optimizer they wrap was never stepped.
         self.optimizer._opt_called = True  # type: ignore[attr-defined]
 
+    @property
+    def param_groups(self) -> list[dict]:
+        """The client optimizer's groups (DeepSpeed's ZeRO optimizer exposes its wrapped
+        optimizer's): each step reads its hyper-parameters from them, so a script that sets
+        `lr` here changes the next step. Their "params" are this rank's master shards."""
+        return self.optimizer.param_groups
+
+    @property
+    def defaults(self) -> dict:
+        return self.optimizer.defaults
+
     def shadow_with(self, group: tuple[int, ...], hyper: list[dict], grad_scale: torch.Tensor | None = None
                     ) -> torch.optim.Optimizer:
         """The shadow optimizer of `group`, on the client's state, with `hyper` (the client's
