@@ -3,6 +3,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
-.venv/bin/python -m pip install --quiet --disable-pip-version-check -r requirements-hf.txt  # the PEFT / generate tests
+.venv/bin/python -m pip install --quiet --disable-pip-version-check -r requirements-hf.txt -r requirements-monitor.txt  # the PEFT / generate / monitor tests
 export OMP_NUM_THREADS=1 ZERO3_ACCELERATOR=cpu
 exec .venv/bin/python -m pytest -q -p no:cacheprovider tests "$@"

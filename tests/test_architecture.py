@@ -114,7 +114,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("params", ("zero3.params",)),
     ("grads", ("zero3.grads",)),
     ("optim", ("zero3.optim",)),
-    ("engine parts", ("zero3.engine_parts", "zero3.estimate")),
+    ("engine parts", ("zero3.engine_parts", "zero3.estimate", "zero3.monitor")),
     ("checkpoint", ("zero3.checkpoint",)),
     ("DeepSpeed adapters", ("zero3.compat", "zero3.checkpointing", "zero3.accelerator", "zero3.comm", "zero3.utils", "zero3.runtime",
                             "zero3.ops", "zero3.zero", "zero3.moe", "zero3.compression", "zero3.sequence")),

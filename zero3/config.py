@@ -281,6 +281,57 @@ class LongSequenceConfig:
 
 
 @dataclass(frozen=True)
+class FileMonitorConfig:
+    """The ``tensorboard`` and ``csv_monitor`` sections: rank 0 writes the training events under
+    ``<output_path>/<job_name>/`` (DeepSpeed's layout and defaults)."""
+
+    enabled: bool = False
+    output_path: str = ""
+    job_name: str = "DeepSpeedJobName"
+
+
+@dataclass(frozen=True)
+class WandbConfig:
+    """The ``wandb`` section: rank 0 logs the training events to a Weights & Biases run."""
+
+    enabled: bool = False
+    group: str | None = None
+    team: str | None = None
+    project: str = "deepspeed"
+
+
+@dataclass(frozen=True)
+class CometConfig:
+    """The ``comet`` section: rank 0 logs the training events to a Comet experiment, at most
+    once every ``samples_log_interval`` samples; the other keys are comet_ml's
+    ``start(...)`` arguments (None: comet_ml's own configuration)."""
+
+    enabled: bool = False
+    samples_log_interval: int = 100
+    project: str | None = None
+    workspace: str | None = None
+    api_key: str | None = None
+    experiment_name: str | None = None
+    experiment_key: str | None = None
+    online: bool | None = None
+    mode: str | None = None
+
+
+@dataclass(frozen=True)
+class MonitorConfig:
+    """DeepSpeed's monitor sections (zero3/monitor/): where the events of each optimizer step go."""
+
+    tensorboard: FileMonitorConfig = FileMonitorConfig()
+    csv_monitor: FileMonitorConfig = FileMonitorConfig()
+    wandb: WandbConfig = WandbConfig()
+    comet: CometConfig = CometConfig()
+
+    @property
+    def enabled(self) -> bool:
+        return any(m.enabled for m in (self.tensorboard, self.csv_monitor, self.wandb, self.comet))
+
+
+@dataclass(frozen=True)
 class ActivationCheckpointingConfig:
     """The ``activation_checkpointing`` section: how ``zero3.checkpointing.checkpoint`` (DeepSpeed's
     ``deepspeed.checkpointing.checkpoint``) runs. ``zero3.initialize`` applies it unless the
@@ -429,6 +480,7 @@ class Zero3Config:
     sequence_parallel_size: int = 1
     seq_parallel_communication_data_type: torch.dtype = torch.float32
     long_sequence: LongSequenceConfig = LongSequenceConfig()
+    monitor: MonitorConfig = MonitorConfig()
 
     @property
     def gradient_reduce_dtype(self) -> torch.dtype:
@@ -1687,9 +1739,45 @@ def _no_tensor_parallel(value: Any) -> bool:
     return isinstance(value, dict) and set(value) <= {"autotp_size"} and _is(0, 1)(value.get("autotp_size", 0))
 
 
-def _monitor(what: str) -> _Only:
-    return _feature_block(f"the {what} monitor", "Remove the block (or set enabled: false) and log "
-                          "from your training loop.")
+def _optional_str(key: str, value: Any) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    _fail(key, value, "expected a string or null", "Write a string.")
+
+
+def _str(key: str, value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    _fail(key, value, "expected a string", "Write a string.")
+
+
+def _optional_bool(key: str, value: Any) -> bool | None:
+    return None if value is None else _bool(key, value)
+
+
+_FILE_MONITOR_RULES: dict[str, _Rule] = {
+    "enabled": _Map("enabled", _bool, "write the training events (rank 0)"),
+    "output_path": _Map("output_path", _str, 'folder of the job folder ("" the default: the working directory)'),
+    "job_name": _Map("job_name", _str, 'the job folder\'s name ("DeepSpeedJobName", DeepSpeed\'s default)'),
+}
+_WANDB_RULES: dict[str, _Rule] = {
+    "enabled": _Map("enabled", _bool, "log the training events to a Weights & Biases run (rank 0; needs wandb)"),
+    "group": _Map("group", _optional_str, "the run's group"),
+    "team": _Map("team", _optional_str, "the W&B team (entity)"),
+    "project": _Map("project", _str, 'the W&B project ("deepspeed", DeepSpeed\'s default)'),
+}
+_COMET_RULES: dict[str, _Rule] = {
+    "enabled": _Map("enabled", _bool, "log the training events to a Comet experiment (rank 0; needs comet_ml)"),
+    "samples_log_interval": _Map("samples_log_interval", _int(1), "log at most once every N samples (100)"),
+    **{name: _Map(name, _optional_str, f"comet_ml's {name} (null: its own configuration)")
+       for name in ("project", "workspace", "api_key", "experiment_name", "experiment_key", "mode")},
+    "online": _Map("online", _optional_bool, "log to the Comet server (true) or an offline archive (false)"),
+}
+
+
+def _monitor(rules: Mapping[str, _Rule], build: type) -> Converter:
+    """Converter: one monitor section (auto_is_default: DeepSpeed validates it with pydantic)."""
+    return lambda key, value: build(**_parse_section(_Section(key, rules, auto_is_default=True), value))
 
 
 _TOP_RULES: dict[str, _Rule] = {
@@ -1763,10 +1851,12 @@ _TOP_RULES: dict[str, _Rule] = {
                              "tensor parallelism is not implemented", _REMOVE),
     "torch_autocast": _Map("_torch_autocast", _section_values(_AUTOCAST_RULES, auto_is_default=False),
                            "run the forward under torch.autocast; see the torch_autocast table"),
-    "tensorboard": _monitor("TensorBoard"),
-    "wandb": _monitor("Weights & Biases"),
-    "csv_monitor": _monitor("CSV"),
-    "comet": _monitor("Comet"),
+    "tensorboard": _Map("_tensorboard", _monitor(_FILE_MONITOR_RULES, FileMonitorConfig),
+                        "TensorBoard events of each step (zero3/monitor/); see the tensorboard table"),
+    "csv_monitor": _Map("_csv_monitor", _monitor(_FILE_MONITOR_RULES, FileMonitorConfig),
+                        "a CSV file per event (zero3/monitor/); see the csv_monitor table"),
+    "wandb": _Map("_wandb", _monitor(_WANDB_RULES, WandbConfig), "W&B logging (zero3/monitor/); see the wandb table"),
+    "comet": _Map("_comet", _monitor(_COMET_RULES, CometConfig), "Comet logging (zero3/monitor/); see the comet table"),
     "comms_logger": _feature_block("the communication logger", "Remove the block; zero3's comm "
                                    "module counts collectives and bytes itself."),
     "flops_profiler": _feature_block("the flops profiler", "Remove the block; use torch.profiler."),
@@ -1970,6 +2060,8 @@ def from_deepspeed(config: "dict | str | os.PathLike", world_size: int,
         sequence_parallel_size=sequence_parallel,
         seq_parallel_communication_data_type=values.get("seq_parallel_communication_data_type", torch.float32),
         long_sequence=LongSequenceConfig(**values.get("_long_sequence", {})),
+        monitor=MonitorConfig(values.get("_tensorboard", FileMonitorConfig()), values.get("_csv_monitor", FileMonitorConfig()),
+                              values.get("_wandb", WandbConfig()), values.get("_comet", CometConfig())),
     )
 
 
@@ -1993,6 +2085,9 @@ _DOC_SECTIONS: tuple[tuple[str, Mapping[str, _Rule], str], ...] = (
     ("placement", _PLACEMENT_RULES, "placement."),
     ("long_sequence", _LONG_SEQUENCE_RULES, "long_sequence."),
     ("aio", _AIO_RULES, "aio."),
+    ("tensorboard / csv_monitor", _FILE_MONITOR_RULES, "monitor.tensorboard."),
+    ("wandb", _WANDB_RULES, "monitor.wandb."),
+    ("comet", _COMET_RULES, "monitor.comet."),
     ("timers", _TIMERS_RULES, ""),
     ("timers.throughput", _THROUGHPUT_RULES, ""),
     ("optimizer", _OPTIMIZER_HEADER, "optimizer."),
@@ -2006,7 +2101,7 @@ _DOC_FIELDS = {
     "_checkpoint": "checkpoint_tag_validation", "enabled": "precision.dtype",
     "check_grad_overflow": "precision.check_grad_overflow", "param_dtype": "checked against precision.dtype",
     "tag_validation": "checkpoint_tag_validation", "arrival_timeout": "checkpoint_arrival_timeout",
-    "async_save": "checkpoint_async_save", "_placement": "placement", "_long_sequence": "long_sequence", "load_rng_state": "checkpoint_load_rng_state",
+    "async_save": "checkpoint_async_save", "_placement": "placement", "_long_sequence": "long_sequence", "_tensorboard": "monitor.tensorboard", "_csv_monitor": "monitor.csv_monitor", "_wandb": "monitor.wandb", "_comet": "monitor.comet", "load_rng_state": "checkpoint_load_rng_state",
     "throughput": "throughput_timer_*",
     "_torch_autocast": "precision.autocast_*", "bf16_master_weights_and_grads": "precision.master_dtype",
     "bf16_optimizer_states": "precision.optimizer_state_dtype", "autocast_enabled": "precision.autocast_dtype",
@@ -2026,6 +2121,8 @@ def describe_keys() -> list[tuple[str, str, str, str]]:
             if isinstance(rule, _Map):
                 where = _DOC_FIELDS.get(rule.field) if rule.field.startswith("_") or not prefix \
                     or rule.field in ("enabled", "check_grad_overflow", *_PRECISION_DOC_FIELDS) else None
+                if prefix.startswith("monitor."):
+                    where = None
                 where = where or prefix + rule.field
                 shown = where if " " in where else f"`{where}`"
                 rows.append((section, key, "mapped", f"{shown}: {rule.doc}"))

@@ -52,6 +52,8 @@ from zero3.engine_parts.state_offload import StateOffload
 from zero3.engine_parts.rank_agreement import check_ranks_agree, config_items, model_items, optimizer_items
 from zero3.engine_parts.timers import StepTimers, ThroughputTimer
 from zero3.engine_parts.views import OptimizerAccess, ShardedModel
+from zero3.monitor import MonitorMaster
+from zero3.monitor.events import step_events
 from zero3.optim.loss_scaler import LossScaler
 from zero3.optim.masters import settle
 from zero3.params.compiled import CompiledUnits, take_requests
@@ -159,6 +161,7 @@ class Engine(EngineSurface, nn.Module):
         self._backward_ended = False  # set by _end_backward, the one place a backward ends
         self._loss_scaled_by_client = False  # engine.scale(loss) was called for the next backward
         self.timers = StepTimers(enabled=config.wall_clock_breakdown)
+        self.monitor = MonitorMaster(config.monitor)  # DeepSpeed's engine.monitor (zero3/monitor/)
         self.tput_timer = ThroughputTimer(
             config.throughput_timer_enabled, config.throughput_timer_synchronized, config.train_batch_size,
             config.steps_per_print, report=lambda line: self.comm.rank == 0 and logger.info(line))
@@ -339,7 +342,8 @@ class Engine(EngineSurface, nn.Module):
 
     def _optimizer_step(self, lr_kwargs: dict | None) -> bool:
         """Run the optimizer on the reduced gradients; False when an overflow skipped it."""
-        self.reducer.flush()
+        with self.timers.time("backward_allreduce"):  # the reductions still in flight
+            self.reducer.flush()
         self.reducer.sink.ship_held()
         divisor = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
         stepped = self.optimizer.step(grad_divisor=divisor)
@@ -362,8 +366,13 @@ class Engine(EngineSurface, nn.Module):
         return True
 
     def _report_progress(self) -> None:
-        """DeepSpeed's steps_per_print: rank 0 logs step, lr and (with
-        wall_clock_breakdown) the mean forward / backward / step times."""
+        """The monitors' events of the step (zero3/monitor/events.py); DeepSpeed's
+        steps_per_print: rank 0 logs step, lr and (with wall_clock_breakdown) the mean
+        forward / backward / step times."""
+        if self.monitor.enabled:
+            self.monitor.write_events(step_events(self.get_lr()[0], self.global_samples, self.loss_scaler
+                                                  and self.loss_scaler.scale, self.timers))
+        self.timers.reset_window()
         every = self.config.steps_per_print
         if not every or self.global_steps % every or self.comm.rank != 0:
             return
@@ -501,6 +510,7 @@ class Engine(EngineSurface, nn.Module):
         self.compiled_units.remove()
         self.reducer.remove()
         long_context.revert(self.long_sequence)
+        self.monitor.close()
         unregister(self.param_owner)
         diagnostics.restore_process_settings(self._gc_disabled_here)
         self._destroyed = True

@@ -10,12 +10,21 @@ import torch
 
 
 class StepTimers:
-    """Accumulates wall time per phase; does nothing when disabled."""
+    """Accumulates wall time per phase; does nothing when disabled. `totals` / `counts` run
+    until the next `summary_and_reset` (steps_per_print), `window` until `reset_window`
+    (each optimizer step, for the monitors)."""
 
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
         self.totals: dict[str, float] = defaultdict(float)
         self.counts: dict[str, int] = defaultdict(int)
+        self.window: dict[str, float] = defaultdict(float)
+
+    def window_ms(self, phase: str) -> float:
+        return 1000 * self.window[phase]
+
+    def reset_window(self) -> None:
+        self.window.clear()
 
     @contextlib.contextmanager
     def time(self, phase: str):
@@ -30,7 +39,9 @@ class StepTimers:
         finally:
             if torch.cuda.is_available() and torch.cuda.is_initialized():
                 torch.cuda.synchronize()
-            self.totals[phase] += time.perf_counter() - start
+            elapsed = time.perf_counter() - start
+            self.totals[phase] += elapsed
+            self.window[phase] += elapsed
             self.counts[phase] += 1
 
     def summary_and_reset(self) -> str:

@@ -1,0 +1,78 @@
+"""DeepSpeed's monitor sections on 2 gloo ranks: rank 0 writes each optimizer step's events
+with DeepSpeed 0.19.8's names at the global sample count, as CSV files (`Train_Samples_lr.csv`,
+header `step,lr`) and TensorBoard event files under `<output_path>/<job_name>/`; an enabled
+monitor whose package is missing is an error on every rank naming the install command."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import pytest
+import torch
+from common import config, make_batches, make_model
+from harness import run_ranks
+
+MICRO, GA, STEPS = 2, 2, 3
+NAMES = ["lr", "loss_scale", "elapsed_time_ms_forward", "elapsed_time_ms_backward", "elapsed_time_ms_backward_inner",
+         "elapsed_time_ms_backward_allreduce", "elapsed_time_ms_step"]
+
+
+def train_with_monitors(rank: int, world: int, folder: str, sections: dict) -> str:
+    import zero3
+
+    cfg = {**config(MICRO, GA), "fp16": {"enabled": True, "initial_scale_power": 8}, "wall_clock_breakdown": True,
+           "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, **sections}
+    try:
+        engine, *_ = zero3.initialize(model=make_model(), config=cfg)
+    except ImportError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    batches = make_batches(STEPS * GA * world, MICRO)
+    for step in range(STEPS):
+        for micro in range(GA):
+            x, y = batches[(step * GA + micro) * world + rank]
+            engine.backward(engine(x.half(), y.half()))
+            engine.step()
+    engine.destroy()
+    return "trained"
+
+
+def _rows(path: Path) -> list[list[str]]:
+    with open(path, newline="") as handle:
+        return list(csv.reader(handle))
+
+
+def test_csv_and_tensorboard_events_with_deepspeeds_names(tmp_path):
+    pytest.importorskip("tensorboard", reason="the monitor extra is not installed: pip install zero3[monitor]")
+    sections = {"csv_monitor": {"enabled": True, "output_path": str(tmp_path / "csv"), "job_name": "job"},
+                "tensorboard": {"enabled": True, "output_path": str(tmp_path / "tb"), "job_name": "job"}}
+    assert run_ranks(train_with_monitors, 2, str(tmp_path), sections) == ["trained", "trained"]
+    samples = [str(MICRO * GA * 2 * (step + 1)) for step in range(STEPS)]  # train_batch_size a step
+    folder = tmp_path / "csv" / "job"
+    assert sorted(p.name for p in folder.iterdir()) == sorted(f"Train_Samples_{n}.csv" for n in NAMES)
+    lr = _rows(folder / "Train_Samples_lr.csv")
+    assert lr == [["step", "lr"]] + [[s, "0.1"] for s in samples], "one row a step, written by rank 0 only"
+    assert [r[0] for r in _rows(folder / "Train_Samples_loss_scale.csv")[1:]] == samples
+    assert float(_rows(folder / "Train_Samples_loss_scale.csv")[1][1]) == 256.0
+    forward = _rows(folder / "Train_Samples_elapsed_time_ms_forward.csv")
+    assert forward[0] == ["step", "elapsed_time_ms_forward"] and all(float(v) > 0 for _, v in forward[1:])
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tb" / "job"))
+    events.Reload()
+    assert sorted(events.Tags()["scalars"]) == sorted(f"Train/Samples/{n}" for n in NAMES)
+    scalars = events.Scalars("Train/Samples/lr")
+    assert [e.step for e in scalars] == [int(s) for s in samples]
+    assert [e.value for e in scalars] == pytest.approx([0.1] * STEPS)
+
+
+def test_a_missing_monitor_package_is_an_error_on_every_rank(tmp_path):
+    import importlib.util
+
+    if importlib.util.find_spec("wandb") is not None:
+        pytest.skip("wandb is installed here")
+    seen = run_ranks(train_with_monitors, 2, str(tmp_path), {"wandb": {"enabled": True, "project": "p"}})
+    for text in seen:
+        assert text.startswith("MonitorUnavailableError: the config's wandb section is enabled, but the wandb "
+                               "package is not installed: pip install wandb"), text
