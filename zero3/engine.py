@@ -42,7 +42,7 @@ from zero3.checkpoint.async_save import engine_checkpointer
 from zero3.compat.engine_surface import EngineSurface
 from zero3.compat.param_status import mark_managed
 from zero3.config import Zero3Config
-from zero3.engine_parts import build, diagnostics, generation
+from zero3.engine_parts import build, diagnostics, generation, progress
 from zero3.engine_parts import placement as placement_parts
 from zero3.engine_parts.autocast import autocast_of
 from zero3.engine_parts.build import EngineError, EngineUsageError
@@ -53,7 +53,6 @@ from zero3.engine_parts.rank_agreement import check_ranks_agree, config_items, m
 from zero3.engine_parts.timers import StepTimers, ThroughputTimer
 from zero3.engine_parts.views import OptimizerAccess, ShardedModel
 from zero3.monitor import MonitorMaster
-from zero3.monitor.events import step_events
 from zero3.optim.loss_scaler import LossScaler
 from zero3.optim.masters import settle
 from zero3.params.compiled import CompiledUnits, take_requests
@@ -323,7 +322,7 @@ class Engine(EngineSurface, nn.Module):
                 self._step_applied = self._optimizer_step(lr_kwargs)
             self.global_steps += 1
             self.global_samples += self.config.train_batch_size
-            self._report_progress()
+            progress.report_step(self)  # the monitors' events, steps_per_print
             self.placement_watch.after_boundary()
             diagnostics.collect_garbage(self._gc_disabled_here)
         self.tput_timer.stop(global_step=boundary)
@@ -364,26 +363,6 @@ class Engine(EngineSurface, nn.Module):
                 # DeepSpeed's fallback for schedulers whose step() takes the batch size.
                 self.lr_scheduler.step(self.config.train_batch_size)
         return True
-
-    def _report_progress(self) -> None:
-        """The monitors' events of the step (zero3/monitor/events.py); DeepSpeed's
-        steps_per_print: rank 0 logs step, lr and (with wall_clock_breakdown) the mean
-        forward / backward / step times."""
-        if self.monitor.enabled:
-            self.monitor.write_events(step_events(self.get_lr()[0], self.global_samples, self.loss_scaler
-                                                  and self.loss_scaler.scale, self.timers))
-        self.timers.reset_window()
-        every = self.config.steps_per_print
-        if not every or self.global_steps % every or self.comm.rank != 0:
-            return
-        message = (f"zero3: step={self.global_steps} skipped={self.skipped_steps} "
-                   f"lr={self.get_lr()} grad_norm={self.get_global_grad_norm()}")
-        if self.loss_scaler is not None:
-            message += f" loss_scale={self.loss_scaler.scale:g}"
-        if self.timers.enabled:
-            message += " " + self.timers.summary_and_reset()
-        logger.info(message)
-        print(message, flush=True)
 
     def _refresh_resident(self) -> None:
         """Resident parameters get their new values from every rank's updated shard."""

@@ -428,14 +428,9 @@ class ShardedOptimizer:
 
     @property
     def param_groups(self) -> list[dict]:
-        """The client optimizer's groups (DeepSpeed's ZeRO optimizer exposes its wrapped
-        optimizer's): each step reads its hyper-parameters from them, so a script that sets
-        `lr` here changes the next step. Their "params" are this rank's master shards."""
+        """The client's groups, as DeepSpeed's: each step reads its hyper-parameters (an `lr`
+        set here is the next step's); their "params" are this rank's master shards."""
         return self.optimizer.param_groups
-
-    @property
-    def defaults(self) -> dict:
-        return self.optimizer.defaults
 
     def shadow_with(self, group: tuple[int, ...], hyper: list[dict], grad_scale: torch.Tensor | None = None
                     ) -> torch.optim.Optimizer:
