@@ -318,6 +318,18 @@ class CometConfig:
 
 
 @dataclass(frozen=True)
+class CommsLoggerConfig:
+    """The ``comms_logger`` section (zero3/platform/comms_log.py): time the engine's
+    collectives by operation and message size; ``zero3.comm.log_summary()`` prints them."""
+
+    enabled: bool = False
+    verbose: bool = False
+    prof_all: bool = True
+    debug: bool = False
+    prof_ops: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class MonitorConfig:
     """DeepSpeed's monitor sections (zero3/monitor/): where the events of each optimizer step go."""
 
@@ -481,6 +493,7 @@ class Zero3Config:
     seq_parallel_communication_data_type: torch.dtype = torch.float32
     long_sequence: LongSequenceConfig = LongSequenceConfig()
     monitor: MonitorConfig = MonitorConfig()
+    comms_logger: CommsLoggerConfig = CommsLoggerConfig()
 
     @property
     def gradient_reduce_dtype(self) -> torch.dtype:
@@ -1775,6 +1788,22 @@ _COMET_RULES: dict[str, _Rule] = {
 }
 
 
+def _op_names(key: str, value: Any) -> tuple[str, ...]:
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return tuple(value)
+    _fail(key, value, "expected a list of operation names", 'Write e.g. ["all_gather", "reduce_scatter"].')
+
+
+_COMMS_LOGGER_RULES: dict[str, _Rule] = {
+    "enabled": _Map("enabled", _bool, "time the engine's collectives by operation and message size"),
+    "verbose": _Map("verbose", _bool, "print each collective as it completes (rank of the caller)"),
+    "prof_all": _Map("prof_all", _bool, "log every operation (true, DeepSpeed's default) or only prof_ops"),
+    "debug": _Map("debug", _bool, "add the calling function's name to the verbose lines"),
+    "prof_ops": _Map("prof_ops", _op_names, "the operations to log when prof_all is false (all_gather, "
+                     "reduce_scatter, all_reduce, broadcast)"),
+}
+
+
 def _monitor(rules: Mapping[str, _Rule], build: type) -> Converter:
     """Converter: one monitor section (auto_is_default: DeepSpeed validates it with pydantic)."""
     return lambda key, value: build(**_parse_section(_Section(key, rules, auto_is_default=True), value))
@@ -1857,8 +1886,9 @@ _TOP_RULES: dict[str, _Rule] = {
                         "a CSV file per event (zero3/monitor/); see the csv_monitor table"),
     "wandb": _Map("_wandb", _monitor(_WANDB_RULES, WandbConfig), "W&B logging (zero3/monitor/); see the wandb table"),
     "comet": _Map("_comet", _monitor(_COMET_RULES, CometConfig), "Comet logging (zero3/monitor/); see the comet table"),
-    "comms_logger": _feature_block("the communication logger", "Remove the block; zero3's comm "
-                                   "module counts collectives and bytes itself."),
+    "comms_logger": _Map("_comms_logger", _monitor(_COMMS_LOGGER_RULES, CommsLoggerConfig),
+                         "time the engine's collectives; zero3.comm.log_summary() prints them (see the "
+                         "comms_logger table)"),
     "flops_profiler": _feature_block("the flops profiler", "Remove the block; use torch.profiler."),
     "autotuning": _feature_block("autotuning", "Remove the block and set the sizes yourself."),
     "hybrid_engine": _feature_block("the hybrid (RLHF) engine", _REMOVE),
@@ -2060,6 +2090,7 @@ def from_deepspeed(config: "dict | str | os.PathLike", world_size: int,
         sequence_parallel_size=sequence_parallel,
         seq_parallel_communication_data_type=values.get("seq_parallel_communication_data_type", torch.float32),
         long_sequence=LongSequenceConfig(**values.get("_long_sequence", {})),
+        comms_logger=values.get("_comms_logger", CommsLoggerConfig()),
         monitor=MonitorConfig(values.get("_tensorboard", FileMonitorConfig()), values.get("_csv_monitor", FileMonitorConfig()),
                               values.get("_wandb", WandbConfig()), values.get("_comet", CometConfig())),
     )
@@ -2088,6 +2119,7 @@ _DOC_SECTIONS: tuple[tuple[str, Mapping[str, _Rule], str], ...] = (
     ("tensorboard / csv_monitor", _FILE_MONITOR_RULES, "monitor.tensorboard."),
     ("wandb", _WANDB_RULES, "monitor.wandb."),
     ("comet", _COMET_RULES, "monitor.comet."),
+    ("comms_logger", _COMMS_LOGGER_RULES, "comms_logger."),
     ("timers", _TIMERS_RULES, ""),
     ("timers.throughput", _THROUGHPUT_RULES, ""),
     ("optimizer", _OPTIMIZER_HEADER, "optimizer."),
@@ -2101,7 +2133,7 @@ _DOC_FIELDS = {
     "_checkpoint": "checkpoint_tag_validation", "enabled": "precision.dtype",
     "check_grad_overflow": "precision.check_grad_overflow", "param_dtype": "checked against precision.dtype",
     "tag_validation": "checkpoint_tag_validation", "arrival_timeout": "checkpoint_arrival_timeout",
-    "async_save": "checkpoint_async_save", "_placement": "placement", "_long_sequence": "long_sequence", "_tensorboard": "monitor.tensorboard", "_csv_monitor": "monitor.csv_monitor", "_wandb": "monitor.wandb", "_comet": "monitor.comet", "load_rng_state": "checkpoint_load_rng_state",
+    "async_save": "checkpoint_async_save", "_placement": "placement", "_long_sequence": "long_sequence", "_tensorboard": "monitor.tensorboard", "_csv_monitor": "monitor.csv_monitor", "_wandb": "monitor.wandb", "_comet": "monitor.comet", "_comms_logger": "comms_logger", "load_rng_state": "checkpoint_load_rng_state",
     "throughput": "throughput_timer_*",
     "_torch_autocast": "precision.autocast_*", "bf16_master_weights_and_grads": "precision.master_dtype",
     "bf16_optimizer_states": "precision.optimizer_state_dtype", "autocast_enabled": "precision.autocast_dtype",
@@ -2121,7 +2153,7 @@ def describe_keys() -> list[tuple[str, str, str, str]]:
             if isinstance(rule, _Map):
                 where = _DOC_FIELDS.get(rule.field) if rule.field.startswith("_") or not prefix \
                     or rule.field in ("enabled", "check_grad_overflow", *_PRECISION_DOC_FIELDS) else None
-                if prefix.startswith("monitor."):
+                if prefix.startswith(("monitor.", "comms_logger.")):
                     where = None
                 where = where or prefix + rule.field
                 shown = where if " " in where else f"`{where}`"

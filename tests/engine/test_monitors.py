@@ -76,3 +76,41 @@ def test_a_missing_monitor_package_is_an_error_on_every_rank(tmp_path):
     for text in seen:
         assert text.startswith("MonitorUnavailableError: the config's wandb section is enabled, but the wandb "
                                "package is not installed: pip install wandb"), text
+
+
+def comms_logged(rank: int, world: int) -> tuple[str, dict]:
+    import contextlib
+    import io
+
+    import zero3
+    from zero3.platform.comms_log import COMMS_LOGGER
+
+    cfg = {**config(MICRO, 1), "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+           "comms_logger": {"enabled": True, "prof_all": True}}
+    engine, *_ = zero3.initialize(model=make_model(), config=cfg)
+    COMMS_LOGGER.reset()
+    before = engine.comm.counters.snapshot()
+    for x, y in make_batches(2, MICRO, seed=rank):
+        engine.backward(engine(x, y))
+        engine.step()
+    after = engine.comm.counters.snapshot()
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        zero3.comm.log_summary()
+    calls = {op: after[op][0] - before.get(op, (0, 0))[0] for op in after}
+    engine.destroy()
+    return printed.getvalue(), calls
+
+
+def test_comms_logger_times_every_collective_and_prints_deepspeeds_table():
+    (table, calls), (other, _) = run_ranks(comms_logged, 2)
+    assert other == "", "only rank 0 prints the summary"
+    lines = table.splitlines()
+    assert lines[0] == "zero3 communication summary:" and lines[1].split()[:3] == ["Comm.", "Op", "Message"]
+    counted: dict[str, int] = {}
+    for line in lines[2:]:
+        op, count = line.split()[0], int(line.split()[3])
+        counted[op] = counted.get(op, 0) + count
+        assert float(line.split()[4]) > 0, line  # total latency
+    assert counted == {op: n for op, n in calls.items() if n}, (counted, calls)
+    assert counted["all_gather"] > 0 and counted["reduce_scatter"] > 0

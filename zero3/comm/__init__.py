@@ -2,7 +2,8 @@
 
 A thin adapter: nothing here is used by the engine, which issues its collectives through
 `zero3.platform.collectives.Communicator`. DeepSpeed's extra keyword arguments
-(log_name, prof, debug) are accepted and unused.
+(log_name, prof, debug) are accepted and unused; `configure` and `log_summary` are the
+comms logger's (zero3/platform/comms_log.py), which times the engine's own collectives.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import torch
 import torch.distributed as dist
 
 from zero3.platform.collectives import all_gather_single, reduce_scatter_single
+from zero3.platform.comms_log import COMMS_LOGGER
+from zero3.platform.comms_log import log_summary as log_summary_table
 
 ReduceOp = dist.ReduceOp
 
@@ -136,3 +139,24 @@ def all_gather_object(object_list: list, obj: object, group=None) -> None:
 
 def broadcast_object_list(object_list: list, src: int = 0, group=None, device=None) -> None:
     dist.broadcast_object_list(object_list, src=src, group=group, device=device)
+
+
+def configure(deepspeed_config=None, enabled: bool | None = None, prof_all: bool | None = None,
+              prof_ops: list[str] | None = None, verbose: bool | None = None, debug: bool | None = None) -> None:
+    """DeepSpeed's `comm.configure`: the comms logger's settings (platform/comms_log.py), from
+    a config's `comms_logger` section (a dict, a path or a parsed Zero3Config) and/or by keyword."""
+    if deepspeed_config is not None:
+        from zero3.config import Zero3Config, from_deepspeed
+
+        parsed = deepspeed_config if isinstance(deepspeed_config, Zero3Config) else from_deepspeed(
+            deepspeed_config, get_world_size())
+        section = parsed.comms_logger
+        COMMS_LOGGER.configure(section.enabled, section.verbose, section.prof_all, section.debug, list(section.prof_ops))
+    COMMS_LOGGER.configure(enabled, verbose, prof_all, debug, prof_ops)
+
+
+def log_summary(show_straggler: bool = False) -> None:
+    """DeepSpeed's `comm.log_summary()`: rank 0 prints the timed collectives by operation and
+    message size (count, latency, algbw and busbw). `show_straggler` is accepted; zero3 times
+    each rank's collectives on that rank only."""
+    log_summary_table()

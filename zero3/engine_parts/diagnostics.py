@@ -16,16 +16,21 @@ import os
 import resource
 
 from zero3.config import Zero3Config
+from zero3.platform.comms_log import COMMS_LOGGER
 from zero3.platform.device import get_accelerator
 
 logger = logging.getLogger("zero3")
 
 
 def apply_process_settings(config: Zero3Config) -> bool:
-    """Set the logger level and, with disable_python_gc, turn automatic GC off. Returns
-    whether GC was turned off here (collect_garbage then runs at optimizer steps)."""
+    """Set the logger level, the comms logger (an enabled comms_logger section, as DeepSpeed's
+    initialize configures deepspeed.comm) and, with disable_python_gc, turn automatic GC off.
+    Returns whether GC was turned off here (collect_garbage then runs at optimizer steps)."""
     if config.log_level is not None:
         logger.setLevel(config.log_level.upper())
+    section = config.comms_logger
+    if section.enabled:
+        COMMS_LOGGER.configure(True, section.verbose, section.prof_all, section.debug, list(section.prof_ops))
     if config.disable_python_gc and gc.isenabled():
         gc.disable()
         return True

@@ -31,6 +31,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from zero3.platform.comms_log import COMMS_LOGGER
+
 # torch 2.13 names these *_single; older releases (e.g. a GPU image's 2.11) only have
 # the *_tensor spelling, which 2.13 still accepts with a deprecation warning.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -82,6 +84,7 @@ class Pending:
     on_done: Callable[[], None]
     guarded: bool
     done: bool = False
+    timed: tuple[str, int, float] | None = None  # (op, message bytes, start) when the comms logger is on
 
 
 class Communicator:
@@ -121,6 +124,8 @@ class Communicator:
         pending = self._outstanding.popleft()
         if pending.work is not None:
             pending.work.wait()
+        if pending.timed is not None:
+            COMMS_LOGGER.finish(*pending.timed[:2], self.world_size, pending.timed[2], self.on_cuda)
         pending.done = True
         pending.on_done()
 
@@ -147,8 +152,9 @@ class Communicator:
                 output.copy_(shard)  # on CUDA, queued on the current (side) stream
             return self._enqueue(Pending(_StreamWork.after_current(output), on_done, guarded=True))
         self.counters.record("all_gather", shard)
+        timed = self._timing("all_gather", output)
         work = all_gather_single(output, shard, group=self.group, async_op=True)
-        return self._enqueue(Pending(work, on_done, guarded=True))
+        return self._enqueue(Pending(work, on_done, guarded=True, timed=timed))
 
     def reduce_scatter_sum_async(self, output: torch.Tensor, full: torch.Tensor,
                                  on_done: Callable[[], None]) -> Pending:
@@ -158,8 +164,21 @@ class Communicator:
             output.copy_(full)
             return self._enqueue(Pending(None, on_done, guarded=False))
         self.counters.record("reduce_scatter", full)
+        timed = self._timing("reduce_scatter", full)
         work = reduce_scatter_single(output, full, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-        return self._enqueue(Pending(work, on_done, guarded=False))
+        return self._enqueue(Pending(work, on_done, guarded=False, timed=timed))
+
+    def _timing(self, op: str, message: torch.Tensor) -> tuple[str, int, float] | None:
+        """What the comms logger needs to time `op` (platform/comms_log.py), or None when off."""
+        if not COMMS_LOGGER.wants(op):
+            return None
+        if self.on_cuda:
+            torch.cuda.synchronize()  # the collective's own time, not the queue before it
+        return op, message.numel() * message.element_size(), COMMS_LOGGER.start()
+
+    def _finish(self, timed: tuple[str, int, float] | None) -> None:
+        if timed is not None:
+            COMMS_LOGGER.finish(*timed[:2], self.world_size, timed[2], self.on_cuda)
 
     def _enqueue(self, pending: Pending) -> Pending:
         self._outstanding.append(pending)
@@ -173,7 +192,9 @@ class Communicator:
             output.copy_(shard)
             return
         self.counters.record("all_gather", shard)
+        timed = self._timing("all_gather", output)
         all_gather_single(output, shard, group=self.group)
+        self._finish(timed)
 
     def reduce_scatter_sum(self, output: torch.Tensor, full: torch.Tensor) -> None:
         """output = sum over ranks of full[rank * n:(rank + 1) * n], n = output.numel()."""
@@ -182,21 +203,27 @@ class Communicator:
             output.copy_(full)
             return
         self.counters.record("reduce_scatter", full)
+        timed = self._timing("reduce_scatter", full)
         reduce_scatter_single(output, full, op=dist.ReduceOp.SUM, group=self.group)
+        self._finish(timed)
 
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> None:
         self.drain()
         if not self.active:
             return
         self.counters.record("all_reduce", tensor)
+        timed = self._timing("all_reduce", tensor)
         dist.all_reduce(tensor, op=op, group=self.group)
+        self._finish(timed)
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
         self.drain()
         if not self.active:
             return
         self.counters.record("broadcast", tensor)
+        timed = self._timing("broadcast", tensor)
         dist.broadcast(tensor, src=src, group=self.group)
+        self._finish(timed)
 
     def barrier(self) -> None:
         self.drain()
