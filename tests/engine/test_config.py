@@ -534,7 +534,7 @@ def test_every_refused_key_gives_its_error(prefix, section, key, rule):
                 assert not str(exc).startswith(f"{prefix}{key}:"), str(exc)
 
 
-@pytest.mark.parametrize("key", ["comms_logger",
+@pytest.mark.parametrize("key", [
                                  "flops_profiler", "autotuning", "hybrid_engine", "data_efficiency",
                                  "expert_parallel"])
 def test_feature_blocks_accepted_only_when_disabled(key):
