@@ -78,7 +78,19 @@ class OptimizerSetupError(ValueError):
     """The client optimizer cannot be mapped onto the model's shards."""
 
 
-class ShardedOptimizer:
+class ClientGroups:
+    """DeepSpeed's ZeRO optimizer surface over a wrapped client optimizer: `param_groups` are
+    the client's, and each step reads its hyper-parameters from them (an `lr` set here is the
+    next step's); their "params" are this rank's master shards."""
+
+    optimizer: torch.optim.Optimizer
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
+
+class ShardedOptimizer(ClientGroups):
     """The client optimizer, stepping on this rank's fp32 master shards."""
 
     def __init__(
@@ -425,12 +437,6 @@ class ShardedOptimizer:
         self.background.start([[self.params[i] for i in group] for group in groups], run)
         # lr schedulers warn when the optimizer they wrap was never stepped.
         self.optimizer._opt_called = True  # type: ignore[attr-defined]
-
-    @property
-    def param_groups(self) -> list[dict]:
-        """The client's groups, as DeepSpeed's: each step reads its hyper-parameters (an `lr`
-        set here is the next step's); their "params" are this rank's master shards."""
-        return self.optimizer.param_groups
 
     def shadow_with(self, group: tuple[int, ...], hyper: list[dict], grad_scale: torch.Tensor | None = None
                     ) -> torch.optim.Optimizer:
