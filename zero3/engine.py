@@ -101,7 +101,7 @@ class Engine(EngineSurface, nn.Module):
         compile_requests = []
         if isinstance(model, nn.Module):
             model, compile_requests = take_requests(model)  # compiled per unit below, hooks eager
-        build.refuse_scheduler_of_another_optimizer(lr_scheduler, optimizer)  # before anything is sharded
+        build.refuse_scheduler_without_optimizer_instance(lr_scheduler, optimizer)  # before anything is sharded
         if isinstance(model, nn.Module):  # before any other collective: ranks that disagree fail here
             check_ranks_agree(self.comm, self.device, {
                 **config_items(config), **optimizer_items(optimizer), **model_items(model)})

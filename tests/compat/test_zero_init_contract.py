@@ -87,35 +87,66 @@ def test_zero_init_parameters_carry_deepspeeds_attributes():
 
 
 def _scheduler_of_another_optimizer(rank: int, world: int) -> dict:
+    import warnings
+
     import zero3
 
     out = {}
-    model = make_model()
-    stray = torch.optim.lr_scheduler.LambdaLR(torch.optim.Adam(model.parameters()), lambda step: 1.0)
+    x, y = make_batches(world, MICRO)[rank]
     for name, optimizer, cfg in (
             ("config optimizer", None, {**config(MICRO, 1), "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}}),
-            ("factory", lambda params: torch.optim.AdamW(params), config(MICRO, 1)),
-            ("another instance", torch.optim.AdamW(model.parameters()), config(MICRO, 1))):
-        try:
-            zero3.initialize(model=model, optimizer=optimizer, lr_scheduler=stray, config=cfg)
-            out[name] = None
-        except AssertionError as exc:
-            out[name] = str(exc)
+            ("factory", lambda params: torch.optim.AdamW(params, lr=1e-3), config(MICRO, 1)),
+            ("another instance", "instance", config(MICRO, 1))):
+        model = make_model()
+        if optimizer == "instance":
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        stray = torch.optim.lr_scheduler.LambdaLR(torch.optim.Adam(model.parameters(), lr=0.5),
+                                                  lambda step: 0.5 ** step)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            engine, _, _, scheduler = zero3.initialize(model=model, optimizer=optimizer, lr_scheduler=stray,
+                                                       config=cfg)
+            lrs = []
+            for _ in range(2):
+                engine.backward(engine(x, y))
+                engine.step()
+                lrs.append(engine.get_lr()[0])
+        out[name] = {"same": scheduler is stray, "lrs": lrs,
+                     "warned": [str(w.message) for w in caught if "now drives" in str(w.message)],
+                     "order_warning": any("lr_scheduler.step()" in str(w.message) for w in caught)}
+    old_style = torch.optim.lr_scheduler.StepLR(torch.optim.Adam(make_model().parameters()), step_size=1)
+    old_style.__class__ = type("OldStyle", (torch.optim.lr_scheduler._LRScheduler,), {
+        "get_lr": torch.optim.lr_scheduler.StepLR.get_lr})
+    try:
+        zero3.initialize(model=make_model(), lr_scheduler=old_style,
+                         config={**config(MICRO, 1), "optimizer": {"type": "Adam"}})
+        out["old style"] = None
+    except AssertionError as exc:
+        out["old style"] = str(exc)
+    client = torch.optim.AdamW(make_model().parameters(), lr=0.1)
+    own = torch.optim.lr_scheduler.StepLR(client, step_size=1, gamma=0.5)
+    model = make_model()
     client = torch.optim.AdamW(model.parameters(), lr=0.1)
     own = torch.optim.lr_scheduler.StepLR(client, step_size=1, gamma=0.5)
     engine, _, _, scheduler = zero3.initialize(model=model, optimizer=client, lr_scheduler=own,
                                                config=config(MICRO, 1))
-    x, y = make_batches(world, MICRO)[rank]
     engine.backward(engine(x, y))
     engine.step()
     out["own"] = (scheduler is own, engine.get_lr()[0])
     return out
 
 
-def test_a_scheduler_must_drive_the_engines_optimizer():
+def test_a_scheduler_of_another_optimizer_drives_the_engines():
+    """A scheduler instance built on an optimizer the engine does not step is accepted, as
+    DeepSpeed accepts it, and rebound so its learning rates reach training, with a warning;
+    DeepSpeed's assert stays for an old-style `_LRScheduler` with no optimizer instance."""
     for out in run_ranks(_scheduler_of_another_optimizer, 2):
         for name in ("config optimizer", "factory", "another instance"):
-            assert out[name] is not None and "LambdaLR" in out[name] and "optimizer=" in out[name], (name, out[name])
+            case = out[name]
+            assert case["same"] and case["lrs"] == [0.25, 0.125], (name, case)
+            assert len(case["warned"]) == 1 and "LambdaLR" in case["warned"][0], (name, case)
+            assert not case["order_warning"], (name, case)
+        assert out["old style"] is not None and "OldStyle" in out["old style"] and "optimizer=" in out["old style"]
         assert out["own"] == (True, 0.05)
 
 

@@ -14,6 +14,7 @@ Each function is collective where it says so (every rank calls it, in this order
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -294,27 +295,59 @@ def resolve_scheduler(config: Zero3Config, lr_scheduler: Any, optimizer: Sharded
                               else "an lr_scheduler factory needs an optimizer")
         return optimizer.optimizer
 
-    return client_or_config(lr_scheduler, spec, _is_scheduler_factory, build_scheduler, client_optimizer)
+    scheduler = client_or_config(lr_scheduler, spec, _is_scheduler_factory, build_scheduler, client_optimizer)
+    if scheduler is lr_scheduler and optimizer is not None:
+        rebind_scheduler(scheduler, optimizer.optimizer)
+    return scheduler
 
 
-def refuse_scheduler_of_another_optimizer(lr_scheduler: Any, optimizer: Any) -> None:
-    """A scheduler instance must drive the optimizer the engine will step (the client's
-    instance `optimizer`), or its learning rates would never reach training. DeepSpeed asserts
-    this where the optimizer is built from the config or by a factory. Called before anything
-    is sharded, so the refusal leaves the model as it was."""
+def refuse_scheduler_without_optimizer_instance(lr_scheduler: Any, optimizer: Any) -> None:
+    """DeepSpeed's assert, with its condition: a scheduler instance of torch's old
+    `_LRScheduler` base with no optimizer instance given. Called before anything is sharded,
+    so the refusal leaves the model as it was. Other scheduler instances built on an optimizer
+    the engine does not step are rebound to it (`rebind_scheduler`)."""
+    if isinstance(lr_scheduler, torch.optim.lr_scheduler._LRScheduler) and \
+            not isinstance(optimizer, torch.optim.Optimizer):
+        raise EngineUsageError(
+            f"initialize(lr_scheduler=...): the {type(lr_scheduler).__name__} is an instance but the "
+            f"optimizer is {type(optimizer).__name__} (not an instance), so the scheduler drives an "
+            "optimizer the engine never steps; pass the optimizer it was built on as optimizer=, or "
+            "pass a factory (lr_scheduler=lambda optimizer: ...) that builds it on the engine's")
+
+
+def rebind_scheduler(lr_scheduler: Any, stepped: torch.optim.Optimizer) -> None:
+    """Point a client scheduler instance built on another optimizer at the one the engine
+    steps, carrying its per-group `lr` and `initial_lr` over, so its learning rates reach
+    training (DeepSpeed keeps such a scheduler on the stray optimizer, where they have no
+    effect). The group counts must match; the scheduler owns nothing else of the optimizer."""
     scheduled = getattr(lr_scheduler, "optimizer", None)
-    if lr_scheduler is None or _is_scheduler_factory(lr_scheduler) or scheduled is None:
+    if not isinstance(scheduled, torch.optim.Optimizer) or scheduled is stepped:
         return
-    stepped = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
-    if scheduled is not stepped:
-        steps = "one built from the config or a factory" if stepped is None else f"another {type(stepped).__name__}"
+    theirs, ours = scheduled.param_groups, stepped.param_groups
+    if len(theirs) != len(ours):
         raise EngineUsageError(
             f"initialize(lr_scheduler=...): the {type(lr_scheduler).__name__} was built on a "
-            f"{type(scheduled).__name__} that the engine does not step (it steps "
-            f"{steps}), "
-            "so its learning rates would never be used; pass the optimizer the scheduler was built on as "
-            "optimizer=, or pass a factory (lr_scheduler=lambda optimizer: ...) that builds it on the engine's"
-        )
+            f"{type(scheduled).__name__} with {len(theirs)} parameter groups, the engine steps a "
+            f"{type(stepped).__name__} with {len(ours)}; pass the optimizer the scheduler was built on "
+            "as optimizer=, or a factory (lr_scheduler=lambda optimizer: ...) that builds it on the engine's")
+    _track_steps_as_schedulers_do(stepped)
+    for group, source in zip(ours, theirs):
+        for key in ("lr", "initial_lr"):
+            if key in source:
+                group[key] = source[key]
+    lr_scheduler.optimizer = stepped
+    warnings.warn(
+        f"initialize(lr_scheduler=...): the {type(lr_scheduler).__name__} was built on a "
+        f"{type(scheduled).__name__} the engine does not step; it now drives the engine's "
+        f"{type(stepped).__name__} (learning rates {[g['lr'] for g in ours]}). Build it on the optimizer "
+        "you pass, or pass a factory, to silence this", UserWarning, stacklevel=3)
+
+
+def _track_steps_as_schedulers_do(optimizer: torch.optim.Optimizer) -> None:
+    """torch's schedulers wrap their optimizer's `step` at construction to check the call order;
+    a scheduler rebound later needs the same wrapper. A factor-1 ConstantLR installs it through
+    torch's own code and leaves every learning rate as it was."""
+    torch.optim.lr_scheduler.ConstantLR(optimizer, factor=1.0, total_iters=0)
 
 
 def _is_scheduler_factory(value: Any) -> bool:
