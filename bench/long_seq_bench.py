@@ -56,6 +56,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--vocab", type=int, default=128256)
     p.add_argument("--rows", default=None)
+    p.add_argument("--deepspeed-params", default="cpu", choices=["cpu", "gpu"],
+                   help="deepspeed: offload_param to the host (the zero3 config's) or its parameter shards on the "
+                        "card (16 GB of bf16 at 8B: its host footprint, fp32 gradients and CPU Adam, outgrows a 128 GiB host otherwise)")
     p.add_argument("--trace", action="store_true",
                    help="zero3's placement log and each step's GPU peak after forward and backward, and what stays after the step")
     p.add_argument("--table", default=None, help="print the table of a rows file and exit")
@@ -154,6 +157,8 @@ def deepspeed_engine(args):
     modeling_llama.LlamaMLP.forward = tiled_mlp_forward
     config = zero3_config(False)
     del config["long_sequence"]
+    if args.deepspeed_params == "gpu":
+        del config["zero_optimization"]["offload_param"]
     with deepspeed.zero.Init(config_dict_or_path=config):
         model = LlamaForCausalLM(llama_config(args))
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -179,9 +184,10 @@ def deepspeed_engine(args):
     return step, sum(p.ds_numel for p in model.parameters())
 
 
-def host_peak_gib() -> float:
+def host_gib(field: str = "VmHWM") -> float:
+    """This process's host memory from /proc/self/status: VmHWM the peak, VmRSS now."""
     try:
-        line = next(x for x in open("/proc/self/status").read().splitlines() if x.startswith("VmHWM:"))
+        line = next(x for x in open("/proc/self/status").read().splitlines() if x.startswith(field + ":"))
     except (OSError, StopIteration):
         return float("nan")
     return int(line.split()[1]) / (1 << 20)
@@ -209,6 +215,8 @@ def run(args) -> None:
     share = 1.0 if args.engine != "zero3_lora" else 0.0
     for seq in (int(s) for s in args.seqs.split(",")):
         row = {"engine": args.engine, "seq": seq, "params": params, "gpu": torch.cuda.get_device_name()}
+        if args.engine == "deepspeed":
+            row["offload_param"] = args.deepspeed_params == "cpu"
         try:
             times = []
             for i in range(args.steps):
@@ -217,14 +225,15 @@ def run(args) -> None:
                 loss = step(batch(args, seq, i))
                 torch.cuda.synchronize()
                 times.append(time.perf_counter() - began)
-                print(f"  seq {seq} step {i}: {times[-1]:.1f} s, loss {loss.item():.4f}", flush=True)
+                print(f"  seq {seq} step {i}: {times[-1]:.1f} s, loss {loss.item():.4f}, "
+                      f"host {host_gib('VmRSS'):.1f} GiB (peak {host_gib():.1f})", flush=True)
             step_s = statistics.median(times[1:] if len(times) > 1 else times)
             row.update(step_s=round(step_s, 3), tokens_per_s=round(seq / step_s, 1),
                        tflops=round(model_flops(args, params, seq, share) / step_s / 1e12, 1),
                        loss=round(loss.item(), 4), all_steps_s=[round(t, 2) for t in times])
         except torch.OutOfMemoryError as exc:
             row["error"] = "out of memory: " + str(exc).split("\n")[0][:160]
-        row.update(peak_gib=round(torch.cuda.max_memory_allocated() / (1 << 30), 2), host_gib=round(host_peak_gib(), 2))
+        row.update(peak_gib=round(torch.cuda.max_memory_allocated() / (1 << 30), 2), host_gib=round(host_gib(), 2))
         print(json.dumps(row), flush=True)
         if args.rows:
             with open(args.rows, "a") as handle:

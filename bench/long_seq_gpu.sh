@@ -22,6 +22,10 @@ export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:Tr
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 stage=${STAGE:-checks,zero3}
+# the machine's used host memory every 5 s (a run killed for host memory leaves its trace here)
+( while sleep 5; do echo "$(date +%T) $(free -m | awk '/^Mem/{print $3}') MiB used"; done ) >> "$out/host_used.log" &
+host_logger=$!
+trap 'kill $host_logger 2>/dev/null' EXIT
 has() { [[ ",$stage," == *",$1,"* ]]; }
 if has checks; then
     timeout 200 torchrun --standalone --nproc_per_node=1 tests/gpu/long_seq_checks.py 2>&1 \
