@@ -330,6 +330,21 @@ class CommsLoggerConfig:
 
 
 @dataclass(frozen=True)
+class FlopsProfilerConfig:
+    """The ``flops_profiler`` section (zero3/monitor/flops_profiler.py): at optimizer step
+    ``profile_step``, rank 0 counts its first forward's flops by module and prints DeepSpeed's
+    profile summary (to ``output_file`` when given)."""
+
+    enabled: bool = False
+    recompute_fwd_factor: float = 0.0
+    profile_step: int = 1
+    module_depth: int = -1
+    top_modules: int = 1
+    detailed: bool = True
+    output_file: str | None = None
+
+
+@dataclass(frozen=True)
 class MonitorConfig:
     """DeepSpeed's monitor sections (zero3/monitor/): where the events of each optimizer step go."""
 
@@ -494,6 +509,7 @@ class Zero3Config:
     long_sequence: LongSequenceConfig = LongSequenceConfig()
     monitor: MonitorConfig = MonitorConfig()
     comms_logger: CommsLoggerConfig = CommsLoggerConfig()
+    flops_profiler: FlopsProfilerConfig = FlopsProfilerConfig()
 
     @property
     def gradient_reduce_dtype(self) -> torch.dtype:
@@ -1804,6 +1820,19 @@ _COMMS_LOGGER_RULES: dict[str, _Rule] = {
 }
 
 
+_FLOPS_PROFILER_RULES: dict[str, _Rule] = {
+    "enabled": _Map("enabled", _bool, "profile one optimizer step's forward (rank 0) and print the summary"),
+    "recompute_fwd_factor": _Map("recompute_fwd_factor", _float(0.0),
+                                 "share of the forward run again in backward (activation checkpointing: 1.0); "
+                                 "the backward counts (2 + factor) x the forward's flops"),
+    "profile_step": _Map("profile_step", _int(0), "the optimizer step (global_steps) whose first forward is profiled"),
+    "module_depth": _Map("module_depth", _int(-1), "depth of the aggregated profile (-1: every depth)"),
+    "top_modules": _Map("top_modules", _int(1), "modules listed per depth in the aggregated profile"),
+    "detailed": _Map("detailed", _bool, "also print the module tree with each module's profile"),
+    "output_file": _Map("output_file", _optional_str, "write the summary to this file (null: standard output)"),
+}
+
+
 def _monitor(rules: Mapping[str, _Rule], build: type) -> Converter:
     """Converter: one monitor section (auto_is_default: DeepSpeed validates it with pydantic)."""
     return lambda key, value: build(**_parse_section(_Section(key, rules, auto_is_default=True), value))
@@ -1889,7 +1918,9 @@ _TOP_RULES: dict[str, _Rule] = {
     "comms_logger": _Map("_comms_logger", _monitor(_COMMS_LOGGER_RULES, CommsLoggerConfig),
                          "time the engine's collectives; zero3.comm.log_summary() prints them (see the "
                          "comms_logger table)"),
-    "flops_profiler": _feature_block("the flops profiler", "Remove the block; use torch.profiler."),
+    "flops_profiler": _Map("_flops_profiler", _monitor(_FLOPS_PROFILER_RULES, FlopsProfilerConfig),
+                           "DeepSpeed's profile summary at profile_step from torch's flop counter (see the "
+                           "flops_profiler table)"),
     "autotuning": _feature_block("autotuning", "Remove the block and set the sizes yourself."),
     "hybrid_engine": _feature_block("the hybrid (RLHF) engine", _REMOVE),
     "data_efficiency": _feature_block("data efficiency (curriculum sampling, random-LTD)", _REMOVE),
@@ -2091,6 +2122,7 @@ def from_deepspeed(config: "dict | str | os.PathLike", world_size: int,
         seq_parallel_communication_data_type=values.get("seq_parallel_communication_data_type", torch.float32),
         long_sequence=LongSequenceConfig(**values.get("_long_sequence", {})),
         comms_logger=values.get("_comms_logger", CommsLoggerConfig()),
+        flops_profiler=values.get("_flops_profiler", FlopsProfilerConfig()),
         monitor=MonitorConfig(values.get("_tensorboard", FileMonitorConfig()), values.get("_csv_monitor", FileMonitorConfig()),
                               values.get("_wandb", WandbConfig()), values.get("_comet", CometConfig())),
     )
@@ -2120,6 +2152,7 @@ _DOC_SECTIONS: tuple[tuple[str, Mapping[str, _Rule], str], ...] = (
     ("wandb", _WANDB_RULES, "monitor.wandb."),
     ("comet", _COMET_RULES, "monitor.comet."),
     ("comms_logger", _COMMS_LOGGER_RULES, "comms_logger."),
+    ("flops_profiler", _FLOPS_PROFILER_RULES, "flops_profiler."),
     ("timers", _TIMERS_RULES, ""),
     ("timers.throughput", _THROUGHPUT_RULES, ""),
     ("optimizer", _OPTIMIZER_HEADER, "optimizer."),
@@ -2133,7 +2166,7 @@ _DOC_FIELDS = {
     "_checkpoint": "checkpoint_tag_validation", "enabled": "precision.dtype",
     "check_grad_overflow": "precision.check_grad_overflow", "param_dtype": "checked against precision.dtype",
     "tag_validation": "checkpoint_tag_validation", "arrival_timeout": "checkpoint_arrival_timeout",
-    "async_save": "checkpoint_async_save", "_placement": "placement", "_long_sequence": "long_sequence", "_tensorboard": "monitor.tensorboard", "_csv_monitor": "monitor.csv_monitor", "_wandb": "monitor.wandb", "_comet": "monitor.comet", "_comms_logger": "comms_logger", "load_rng_state": "checkpoint_load_rng_state",
+    "async_save": "checkpoint_async_save", "_placement": "placement", "_long_sequence": "long_sequence", "_tensorboard": "monitor.tensorboard", "_csv_monitor": "monitor.csv_monitor", "_wandb": "monitor.wandb", "_comet": "monitor.comet", "_comms_logger": "comms_logger", "_flops_profiler": "flops_profiler", "load_rng_state": "checkpoint_load_rng_state",
     "throughput": "throughput_timer_*",
     "_torch_autocast": "precision.autocast_*", "bf16_master_weights_and_grads": "precision.master_dtype",
     "bf16_optimizer_states": "precision.optimizer_state_dtype", "autocast_enabled": "precision.autocast_dtype",
@@ -2153,7 +2186,7 @@ def describe_keys() -> list[tuple[str, str, str, str]]:
             if isinstance(rule, _Map):
                 where = _DOC_FIELDS.get(rule.field) if rule.field.startswith("_") or not prefix \
                     or rule.field in ("enabled", "check_grad_overflow", *_PRECISION_DOC_FIELDS) else None
-                if prefix.startswith(("monitor.", "comms_logger.")):
+                if prefix.startswith(("monitor.", "comms_logger.", "flops_profiler.")):
                     where = None
                 where = where or prefix + rule.field
                 shown = where if " " in where else f"`{where}`"

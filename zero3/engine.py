@@ -53,6 +53,7 @@ from zero3.engine_parts.rank_agreement import check_ranks_agree, config_items, m
 from zero3.engine_parts.timers import StepTimers, ThroughputTimer
 from zero3.engine_parts.views import OptimizerAccess, ShardedModel
 from zero3.monitor import MonitorMaster
+from zero3.monitor.flops_profiler import EngineSizes, FlopsProfiler
 from zero3.optim.loss_scaler import LossScaler
 from zero3.optim.masters import settle
 from zero3.params.compiled import CompiledUnits, take_requests
@@ -161,6 +162,8 @@ class Engine(EngineSurface, nn.Module):
         self._loss_scaled_by_client = False  # engine.scale(loss) was called for the next backward
         self.timers = StepTimers(enabled=config.wall_clock_breakdown)
         self.monitor = MonitorMaster(config.monitor)  # DeepSpeed's engine.monitor (zero3/monitor/)
+        self.flops_profiler = FlopsProfiler(config.flops_profiler, self.comm.rank, lambda: EngineSizes(
+            self.comm.world_size, self.dp_world_size, config.train_micro_batch_size_per_gpu))
         self.tput_timer = ThroughputTimer(
             config.throughput_timer_enabled, config.throughput_timer_synchronized, config.train_batch_size,
             config.steps_per_print, report=lambda line: self.comm.rank == 0 and logger.info(line))
@@ -334,7 +337,7 @@ class Engine(EngineSurface, nn.Module):
         logged around it (memory_breakdown)."""
         if self.config.memory_breakdown:
             diagnostics.log_memory(f"before {name}", self.comm.rank)
-        with self.timers.time(name):
+        with self.timers.time(name), self.flops_profiler.phase(name, self.global_steps, self.module):
             yield
         if self.config.memory_breakdown:
             diagnostics.log_memory(f"after {name}", self.comm.rank)

@@ -534,14 +534,24 @@ def test_every_refused_key_gives_its_error(prefix, section, key, rule):
                 assert not str(exc).startswith(f"{prefix}{key}:"), str(exc)
 
 
-@pytest.mark.parametrize("key", [
-                                 "flops_profiler", "autotuning", "hybrid_engine", "data_efficiency",
-                                 "expert_parallel"])
+@pytest.mark.parametrize("key", ["autotuning", "hybrid_engine", "data_efficiency", "expert_parallel"])
 def test_feature_blocks_accepted_only_when_disabled(key):
     assert parse({key: {"enabled": False, "output_path": "x"}})
     assert parse({key: {}})
     message = error_of({"train_batch_size": 2, key: {"enabled": True}})
     assert message.startswith(f"{key}:") and "does not implement" in message
+
+
+def test_flops_profiler_section():
+    c = parse({"flops_profiler": {"enabled": True, "profile_step": 3, "module_depth": 2, "top_modules": 4,
+                                  "detailed": False, "output_file": "prof/out.txt", "recompute_fwd_factor": 1.0}})
+    f = c.flops_profiler
+    assert (f.enabled, f.profile_step, f.module_depth, f.top_modules, f.detailed, f.output_file,
+            f.recompute_fwd_factor) == (True, 3, 2, 4, False, "prof/out.txt", 1.0)
+    assert not parse({"flops_profiler": {"enabled": "auto"}}).flops_profiler.enabled  # DeepSpeed's default
+    assert error_of({"train_batch_size": 2, "flops_profiler": {"top_modules": 0}}).startswith(
+        "flops_profiler.top_modules: must be >= 1")
+    assert error_of({"train_batch_size": 2, "flops_profiler": {"profile_stpe": 1}}).startswith("flops_profiler.")
 
 
 @pytest.mark.parametrize("key", ["nebula", "compression_training", "amp", "quantize_training",

@@ -6,6 +6,7 @@ monitor whose package is missing is an error on every rank naming the install co
 from __future__ import annotations
 
 import csv
+import re
 from pathlib import Path
 
 import pytest
@@ -114,3 +115,35 @@ def test_comms_logger_times_every_collective_and_prints_deepspeeds_table():
         assert float(line.split()[4]) > 0, line  # total latency
     assert counted == {op: n for op, n in calls.items() if n}, (counted, calls)
     assert counted["all_gather"] > 0 and counted["reduce_scatter"] > 0
+
+
+def test_flops_profiler_prints_deepspeeds_summary_at_profile_step(tmp_path):
+    """rank 0 profiles the first forward of optimizer step 1 (the second window) and writes
+    DeepSpeed's summary: the parameters of the whole model, 2 flops a multiply-accumulate of
+    each Linear, every latency line (wall_clock_breakdown is on), the aggregated profile per
+    depth and the module tree. Rank 1 writes nothing."""
+    out = tmp_path / "rank0" / "profile.txt"
+    section = {"flops_profiler": {"enabled": True, "profile_step": 1, "module_depth": -1, "top_modules": 2,
+                                  "detailed": True, "output_file": str(out)}}
+    assert run_ranks(train_with_monitors, 2, str(tmp_path), section) == ["trained", "trained"]
+    text = out.read_text()
+    model = make_model()
+    linear_flops = sum(2 * MICRO * m.in_features * m.out_features for m in model.modules()
+                       if isinstance(m, torch.nn.Linear))
+    params = sum(p.numel() for p in model.parameters())
+    assert "Profile Summary at step 1:" in text
+    fields = dict(re.match(r"^(.*?:)\s+(.*?)\s*$", line).groups() for line in text.splitlines()
+                  if re.match(r"^[a-z].*:\s{2,}\S", line))
+    from zero3.monitor.flops_profiler import number_to_string, params_to_string
+    assert fields["world size:"] == "2" and fields["batch size per GPU:"] == str(MICRO)
+    assert fields["params per GPU:"] == params_to_string(params)
+    assert fields["fwd flops per GPU:"] == number_to_string(linear_flops)
+    assert fields["fwd MACs per GPU:"] == number_to_string(linear_flops // 2) + "MACs"
+    for label in ("fwd latency:", "bwd latency:", "step latency:", "iter latency:", "samples/second:"):
+        assert label in fields, label
+    block = sum(2 * MICRO * 24 * 24 for _ in model.blocks)  # a ModuleList is never called: its children's sum
+    assert f"'ModuleList': '{number_to_string(block // 2)}MACs'" in text  # the aggregated profile, by class
+    head = 2 * MICRO * 24 * 5
+    assert f"(head): Linear({params_to_string(24 * 5 + 5)} = " in text
+    assert f"{number_to_string(head // 2)}MACs" in text
+    assert not (tmp_path / "rank1").exists()
