@@ -417,6 +417,8 @@ class PrecisionConfig:
     # bf16.bf16_master_weights_and_grads / bf16_optimizer_states (zero3/optim/precision.py)
     master_dtype: torch.dtype = torch.float32
     optimizer_state_dtype: torch.dtype = torch.float32
+    # data_types.grad_accum_dtype (None: the master dtype)
+    grad_accum_dtype: torch.dtype | None = None
     # torch_autocast: the dtype the forward runs under (None: no autocast), and the module
     # classes ("package.Class") whose parameters' gradients are reduced in that dtype
     # (None: DeepSpeed's default list, zero3/engine_parts/autocast.py)
@@ -1311,8 +1313,10 @@ def _section_values(rules: Mapping[str, _Rule], auto_is_default: bool = True) ->
 _DATA_TYPES_RULES: dict[str, _Rule] = {
     "param_dtype": _Map("param_dtype", _dtype_name,
                         "must equal the dtype that bf16/fp16 select (DeepSpeed asserts the same)"),
-    "grad_accum_dtype": _Only(_is(None, *_FP32_SPELLINGS), 'null or "fp32"',
-                              "zero3 accumulates gradients in fp32 shard buffers", _REMOVE),
+    "grad_accum_dtype": _Map("grad_accum_dtype", _dtype_name,
+                             "dtype the micro-steps' gradients are summed in (null: the masters' dtype, fp32 unless "
+                             "bf16_master_weights_and_grads; \"bf16\" / \"fp16\", the model's dtype: DeepSpeed's "
+                             "default and its sums bit for bit, cast to the masters' dtype for the step)"),
     "buffer_dtype": _off(None, "zero3 leaves buffers at the dtype they were loaded in (DeepSpeed's "
                          "default); it does not cast buffers",
                          "Remove the key and cast the buffers yourself before initialize()."),
@@ -1354,10 +1358,23 @@ def _precision(values: Mapping[str, Any]) -> PrecisionConfig:
     if "min_loss_scale" in scale:
         scale["min_loss_scale"] = float(scale["min_loss_scale"])
     masters = _master_precision(bf16, bf16_key, dtype, values.get("zero"))
+    masters["grad_accum_dtype"] = _grad_accum_dtype(values.get("_data_types", {}).get("grad_accum_dtype"), dtype)
     autocast = _autocast(values.get("_torch_autocast", {}), dtype, values.get("_comm_dtype"))
     return PrecisionConfig(dtype=dtype, communication_data_type=values.get("_comm_dtype"),
                            auto_cast=bool(fp16.get("auto_cast", False)), check_grad_overflow=check, **scale,
                            **masters, **autocast)
+
+
+def _grad_accum_dtype(accum: torch.dtype | None, dtype: torch.dtype) -> torch.dtype | None:
+    """data_types.grad_accum_dtype: fp32, or the 16-bit dtype the model trains in."""
+    if accum is None or accum == torch.float32:
+        return accum
+    if accum != dtype:
+        name = str(accum).removeprefix("torch.")
+        _fail("data_types.grad_accum_dtype", name, f"a {name} accumulation needs the model in {name} (it trains in "
+              f"{str(dtype).removeprefix('torch.')})", f'Enable the {"bf16" if accum == torch.bfloat16 else "fp16"} '
+              'section, or write "fp32" / remove the key.')
+    return accum
 
 
 def _master_precision(bf16: dict, bf16_key: str, dtype: torch.dtype, zero: "ZeroConfig | None") -> dict[str, Any]:

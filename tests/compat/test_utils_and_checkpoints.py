@@ -191,9 +191,11 @@ def test_checkpoint_tag_validation_modes(tmp_path):
     assert not (tmp_path / "Fail").exists()  # refused before anything was written
 
 
-def mid_window_resume(rank: int, world: int, folder: str, ga: int, steps: int, save_at: int | None):
+def mid_window_resume(rank: int, world: int, folder: str, ga: int, steps: int, save_at: int | None,
+                      extra: dict | None = None):
     """Train `steps` optimizer steps; with `save_at` set, save after that many micro-steps
-    and finish in a new engine loaded from the checkpoint."""
+    and finish in a new engine loaded from the checkpoint. `extra`: more config (with bf16
+    the batches are cast to it)."""
     import zero3
 
     batches = make_batches(steps * ga * world, MICRO, seed=4)
@@ -201,7 +203,8 @@ def mid_window_resume(rank: int, world: int, folder: str, ga: int, steps: int, s
     def build():
         model = make_model(dropout=0.1)  # dropout: the resumed run needs the saved RNG too
         return zero3.initialize(model=model, optimizer=torch.optim.AdamW(two_param_groups(model)),
-                                config={**config(MICRO, ga), "checkpoint": {"load_rng_state": True}})[0]
+                                config={**config(MICRO, ga), "checkpoint": {"load_rng_state": True},
+                                        **(extra or {})})[0]
 
     engine = build()
     losses = []
@@ -214,6 +217,8 @@ def mid_window_resume(rank: int, world: int, folder: str, ga: int, steps: int, s
             engine.load_checkpoint(folder)
             assert engine.micro_steps == save_at
         x, y = batches[micro_step * world + rank]
+        if extra and "bf16" in extra:
+            x, y = x.bfloat16(), y.bfloat16()
         loss = engine(x, y)
         engine.backward(loss)
         engine.step()
@@ -233,3 +238,22 @@ def test_save_inside_an_accumulation_window_resumes_exactly(tmp_path):
             assert losses_a == losses_b
             for key, value in state_a.items():
                 assert torch.equal(state_b[key], value), key
+
+
+def test_bf16_accumulation_saved_inside_a_window_resumes_exactly(tmp_path):
+    """data_types.grad_accum_dtype "bf16": the gradient shards are bf16, saved so, and a load
+    goes on summing in bf16 (the same sums as the run that did not stop)."""
+    extra = {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "bf16"}}
+    straight = run_ranks(mid_window_resume, 2, str(tmp_path / "a"), 4, 2, None, extra)
+    resumed = run_ranks(mid_window_resume, 2, str(tmp_path / "b"), 4, 2, 6, extra)
+    default = run_ranks(mid_window_resume, 2, str(tmp_path / "c"), 4, 2, None, {"bf16": {"enabled": True}})
+    from safetensors import safe_open
+    with safe_open(str(next((tmp_path / "b" / "mid").glob("*rank0*.safetensors"))), "pt") as saved:
+        grads = [saved.get_tensor(k).dtype for k in saved.keys() if k.startswith("grad/")]
+    assert grads and set(grads) == {torch.bfloat16}
+    for (losses_a, state_a), (losses_b, state_b) in zip(straight, resumed):
+        assert losses_a == losses_b
+        for key, value in state_a.items():
+            assert torch.equal(state_b[key], value), key
+    assert any(not torch.equal(default[0][1][k], straight[0][1][k]) for k in straight[0][1]), \
+        "fp32 and bf16 sums should differ somewhere, or this test shows nothing"

@@ -263,8 +263,13 @@ def test_data_types():
     assert parse({"bf16": {"enabled": True}, "data_types": {"param_dtype": "bf16",
                                                             "grad_accum_dtype": "fp32"}})
     assert "conflicts" in error_of({"train_batch_size": 2, "data_types": {"param_dtype": "bf16"}})
-    assert error_of({"train_batch_size": 2, "data_types": {"grad_accum_dtype": "bf16"}}).startswith(
-        "data_types.grad_accum_dtype:")
+    message = error_of({"train_batch_size": 2, "data_types": {"grad_accum_dtype": "bf16"}})
+    assert message.startswith("data_types.grad_accum_dtype:") and "Enable the bf16 section" in message
+    assert parse({"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "bf16"}}).precision.grad_accum_dtype \
+        == torch.bfloat16
+    assert parse({"fp16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp16"}}).precision.grad_accum_dtype \
+        == torch.float16
+    assert parse({"bf16": {"enabled": True}}).precision.grad_accum_dtype is None  # zero3's fp32 sums
 
 
 # ---------------------------------------------------------------------------- zero section

@@ -15,7 +15,8 @@ Layout of `save_dir/<tag>/` (W ranks saved it):
                                                           bf16_master_weights_and_grads)
                                  optim/<name>/<key>       elementwise optimizer state
                                  optim_whole/<name>/<key> any other tensor state (AdamW's step)
-                                 grad/<name>              fp32 gradient accumulated so far, when
+                                 grad/<name>              gradient accumulated so far (fp32, or
+                                                          data_types.grad_accum_dtype), when
                                                           saved inside an accumulation window
                                and in rank 0's file, buffer/<name>: the persistent buffers,
                                  late/<name>: parameters attached after initialize, whole
@@ -939,7 +940,7 @@ def _apply_tensors(model: ShardedModel, optimizer: OptimizerAccess, placement: P
             if sp.name in plan.manifest["params"]:
                 _apply_param(optimizer, model.comm.world_size, sp, reader, plan, masters, groups)
                 if plan.restore_optimizer and not load_module_only and plan.manifest["params"][sp.name].get("grad"):
-                    dtype = masters[id(sp)].dtype if id(sp) in masters else torch.float32
+                    dtype = optimizer.precision().grad_dtype if id(sp) in masters else torch.float32
                     grads.append((sp, _saved_grad(placement.state_device(sp), sp, reader, plan, dtype)))
         saved_buffers = plan.manifest.get("buffers", {})
         with torch.no_grad():

@@ -171,8 +171,8 @@ def _set_grad_shard(owner: ParamOwner, sp: ShardedParam, piece: torch.Tensor) ->
         raise ParamAccessError(f"{sp.name} is frozen (requires_grad=False): it has no gradient to set")
     _grad_shard(owner, sp)
     if sp.grad_shard is None:
-        master = owner.optimizer.master_of(sp)  # gradient shards take the master's dtype (optim/precision.py)
-        dtype = master.dtype if master is not None else torch.float32
+        master = owner.optimizer.master_of(sp)  # gradient shards take the optimizer's grad_dtype (optim/precision.py)
+        dtype = owner.optimizer.precision().grad_dtype if master is not None else torch.float32
         sp.grad_shard = torch.zeros(sp.shard_numel, dtype=dtype, device=owner.placement.state_device(sp))
     _write_local(sp.grad_shard, sp, piece)
     sp.grad_sq_norm = None  # the sink's cached norm no longer describes grad_shard

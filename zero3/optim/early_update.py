@@ -160,7 +160,7 @@ class EarlyHostUpdates:
         window.saved[g] = [(m, m.detach().clone(), _copy_state(state.get(m)))
                            for m in (opt.masters[i] for i in group)]
         for i in group:
-            opt.masters[i].grad = opt.params[i].grad_shard
+            opt.masters[i].grad = opt.precision.master_grad(opt.params[i].grad_shard, opt.masters[i])
         try:
             shadow.step()
         finally:

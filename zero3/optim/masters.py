@@ -266,7 +266,7 @@ class ShardedOptimizer(ClientGroups):
         for sp, master in zip(self.params, self.masters):
             # None: no rank produced a gradient for it in this window. torch optimizers skip
             # it (state, step count and weight decay untouched), as plain PyTorch does.
-            master.grad = sp.grad_shard
+            master.grad = self.precision.master_grad(sp.grad_shard, master)
         with_grad = [m.grad for m in self.masters if m.grad is not None]
         if grad_divisor != 1.0 and with_grad:
             torch._foreach_div_(with_grad, grad_divisor)

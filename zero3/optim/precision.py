@@ -50,15 +50,24 @@ class MasterPrecision:
 
     master_dtype: torch.dtype = torch.float32
     state_dtype: torch.dtype = torch.float32
+    grad_accum_dtype: torch.dtype | None = None
 
     @classmethod
     def of(cls, precision: PrecisionConfig) -> "MasterPrecision":
-        return cls(precision.master_dtype, precision.optimizer_state_dtype)
+        return cls(precision.master_dtype, precision.optimizer_state_dtype, precision.grad_accum_dtype)
 
     @property
     def grad_dtype(self) -> torch.dtype:
-        """Gradient shards accumulate in the master's dtype (DeepSpeed's "master weights and grads")."""
-        return self.master_dtype
+        """Gradient shards accumulate in data_types.grad_accum_dtype, else in the master's dtype
+        (DeepSpeed's "master weights and grads")."""
+        return self.grad_accum_dtype or self.master_dtype
+
+    def master_grad(self, grad_shard: torch.Tensor | None, master: torch.Tensor) -> torch.Tensor | None:
+        """The gradient the optimizer steps `master` with: the shard itself, or, accumulated in
+        another dtype (grad_accum_dtype), a copy in the master's dtype that the step drops."""
+        if grad_shard is None or grad_shard.dtype == master.dtype:
+            return grad_shard
+        return grad_shard.to(master.dtype)
 
     @property
     def upcasts(self) -> bool:
