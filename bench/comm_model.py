@@ -17,7 +17,7 @@ bandwidth and per-hop latency as parameters. What it assumes, in the α-β ring 
 
 Defaults are the 1B Llama of bench/ (16 layers of 2048 / 5632, bf16, sequence 2048,
 micro-batch 2), whose step took 91 ms at world size 1 on one H100
-(bench/results_h100_1b_ab_sealing.log). Prints, per world size and bandwidth, the time a
+(bench/results/h100/1b_ab_sealing.log). Prints, per world size and bandwidth, the time a
 unit's collectives take against its compute, the step time with and without prefetch, and
 the prefetch bucket and live-parameter bound that keep one unit in flight.
 

@@ -58,7 +58,7 @@ if [ "${VERSUS:-0}" = 1 ]; then
         --threads ${THREADS:-8} --block-mib ${BLOCK_MIB:-8} --rows $rows"
     export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST_DS:-9.0}  # DeepSpeed's JIT builder reads no "9.0a"
     # DeepSpeed's defaults (buffer_count 4, no pipelining), then its pipelined swapper, which asserts
-    # for want of buffers at buffer_count 4 (results_h100_nvme_versus_deepspeed.log) and gets 8
+    # for want of buffers at buffer_count 4 (results/h100/nvme_versus_deepspeed.log) and gets 8
     runs=("--tier nvme --host-share 0 --ratio 1" "--tier nvme --engine deepspeed --ds-pipeline 0"
           "--tier nvme --engine deepspeed --ds-pipeline 1 --buffers 8")
     [ "${VERSUS_ALL:-1}" = 1 ] && runs+=("--tier host --ratio 1" "--tier nvme --host-share 0")
