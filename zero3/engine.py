@@ -349,6 +349,7 @@ class Engine(EngineSurface, nn.Module):
         self.reducer.sink.ship_held()
         divisor = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
         stepped = self.optimizer.step(grad_divisor=divisor)
+        self.optimizer.overflow = not stepped
         if self.loss_scaler is not None:
             self.loss_scaler.update(overflow=not stepped)
         if not stepped:

@@ -84,6 +84,9 @@ class ClientGroups:
     next step's); their "params" are this rank's master shards."""
 
     optimizer: torch.optim.Optimizer
+    # DeepSpeed's attribute: whether the last boundary's step was skipped for a non-finite
+    # gradient norm (set by the engine after each step; Accelerate's step_was_skipped reads it)
+    overflow: bool = False
 
     @property
     def param_groups(self) -> list[dict]:

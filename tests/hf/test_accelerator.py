@@ -1,0 +1,123 @@
+"""`zero3.hf.Accelerator`: an Accelerate custom loop (examples/accelerate_loop.py) on 2 gloo
+ranks, in a venv without DeepSpeed, one launch:
+
+- the loop trains (losses fall), `clip_grad_norm_` returns the engine's norms, no step is
+  reported skipped, the scheduler is Accelerate's (stepped once per process per update);
+- `save_state` mid-run and `load_state` in a new Accelerator resume exactly (the losses of
+  the rest of the run and the final weights bit for bit, dropout included);
+- `get_state_dict` gives whole tensors on rank 0 only, `save_model` writes them for
+  `from_pretrained`, `unwrap_model` gives the user's module;
+- errors on every rank: no config, an optimizer in the config and in the code, a second
+  trained model.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+from trl_setup import ENV, ROOT  # first: skips without the hf extra, puts examples/ on sys.path
+
+# isort: split
+import accelerate_loop as L  # noqa: E402
+import torch  # noqa: E402
+from harness import run_ranks  # noqa: E402
+
+STEPS, SAVE_AT = 6, 3
+
+
+def accelerator_flow(rank: int, world: int, folder: str) -> dict:
+    import os
+
+    os.environ.update(ENV)
+    out = {"straight": L.train("zero3", folder, STEPS, 0, save_at=SAVE_AT)}
+    out["resumed"] = L.train("zero3", folder, STEPS, SAVE_AT, resume_from=os.path.join(folder, "state"))
+    out["errors"] = _errors()
+    return out
+
+
+def _errors() -> dict[str, str]:
+    from zero3.hf import Accelerator, Zero3AcceleratorError
+
+    seen = {}
+    try:
+        Accelerator(cpu=True)
+    except Zero3AcceleratorError as exc:
+        seen["no_config"] = str(exc)
+    accelerator = Accelerator(cpu=True, zero3_config={**L.DS_CONFIG, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
+    model = L.build_model()
+    try:
+        accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    except Zero3AcceleratorError as exc:
+        seen["twice"] = str(exc)
+    accelerator = Accelerator(cpu=True, zero3_config={**L.DS_CONFIG, "train_micro_batch_size_per_gpu": 2})  # no loader here
+    first = L.build_model()
+    accelerator.prepare(first, torch.optim.SGD(first.parameters(), lr=0.1))
+    second = L.build_model()
+    try:
+        accelerator.prepare(second, torch.optim.SGD(second.parameters(), lr=0.1))
+    except Zero3AcceleratorError as exc:
+        seen["second"] = str(exc)
+    accelerator.free_memory()
+    return seen
+
+
+@pytest.fixture(scope="module")
+def flow(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("accelerate")
+    return folder, run_ranks(accelerator_flow, 2, str(folder), timeout=600)
+
+
+def test_the_venv_has_no_deepspeed():
+    assert importlib.util.find_spec("deepspeed") is None
+
+
+def test_the_loop_trains_with_the_engines_norms_and_accelerates_scheduler(flow):
+    _, ranks = flow
+    straight = ranks[0]["straight"]
+    assert len(straight["losses"]) == STEPS * L.ACCUMULATION
+    assert sum(straight["losses"][-4:]) < sum(straight["losses"][:4])
+    assert ranks[0]["straight"]["losses"] != ranks[1]["straight"]["losses"]  # each rank its own batches
+    assert len(straight["norms"]) == STEPS and all(n > 0 and n == n for n in straight["norms"])
+    assert straight["norms"] == ranks[1]["straight"]["norms"]  # one global norm
+    assert straight["skipped"] == [False] * STEPS
+    # get_linear_schedule_with_warmup(2 warm-up, 4 * STEPS total) stepped by Accelerate's
+    # AcceleratedScheduler: once per process (2) per update, as it steps DeepSpeed's optimizer
+    expected = [3e-3 * min((2 * k) / 2, max(0.0, (4 * STEPS - 2 * k) / (4 * STEPS - 2))) for k in range(1, STEPS + 1)]
+    assert straight["lrs"] == pytest.approx(expected, rel=1e-9)
+
+
+def test_save_state_and_load_state_resume_exactly(flow):
+    _, ranks = flow
+    for seen in ranks:
+        assert seen["resumed"]["losses"] == seen["straight"]["losses"][SAVE_AT * L.ACCUMULATION:]
+        assert seen["resumed"]["norms"] == seen["straight"]["norms"][SAVE_AT:]
+    straight, resumed = ranks[0]["straight"]["state"], ranks[0]["resumed"]["state"]
+    assert straight.keys() == resumed.keys()
+    for name, value in straight.items():
+        assert torch.equal(resumed[name], value), name
+
+
+def test_whole_weights_on_rank_0_and_save_model(flow):
+    from safetensors.torch import load_file
+
+    folder, ranks = flow
+    state = ranks[0]["straight"]["state"]
+    assert ranks[1]["straight"]["state"] is None
+    reference = L.build_model()
+    assert {k: tuple(v.shape) for k, v in state.items()} == \
+        {k: tuple(v.shape) for k, v in reference.state_dict().items()}
+    assert ranks[0]["straight"]["unwrapped"] == "LlamaForCausalLM"
+    written = load_file(str(folder / "model" / "model.safetensors"))
+    resumed = ranks[0]["resumed"]["state"]  # the last save_model: the resumed run's
+    assert written.keys() == resumed.keys()
+    for name, value in written.items():
+        assert torch.equal(value.float(), resumed[name]), name
+
+
+def test_errors_on_every_rank(flow):
+    _, ranks = flow
+    for seen in ranks:
+        assert "zero3_config=" in seen["errors"]["no_config"]
+        assert "in the DeepSpeed config and in the code" in seen["errors"]["twice"]
+        assert "second Accelerator" in seen["errors"]["second"]
