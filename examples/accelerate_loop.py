@@ -66,6 +66,9 @@ def make_accelerator(engine: str, mixed_precision: str) -> Any:
                            mixed_precision=mixed_precision, cpu=not torch.cuda.is_available())
     from zero3.hf import Accelerator
 
+    if engine == "zero3_launched":  # the DeepSpeed settings from `zero3 launch --config_file ds.yaml`
+        return Accelerator(gradient_accumulation_steps=ACCUMULATION, mixed_precision=mixed_precision,
+                           cpu=not torch.cuda.is_available())
     # cpu=True: Accelerate forms its multi-process CPU setup (gloo) only when told to run on the CPU
     return Accelerator(zero3_config=json.loads(json.dumps(DS_CONFIG)), gradient_accumulation_steps=ACCUMULATION,
                        mixed_precision=mixed_precision, cpu=not torch.cuda.is_available())
@@ -123,7 +126,7 @@ def train(engine: str, folder: str, steps: int, first: int, resume_from: str | N
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dir", required=True)
-    parser.add_argument("--engine", default="zero3", choices=["zero3", "deepspeed"])
+    parser.add_argument("--engine", default="zero3", choices=["zero3", "zero3_launched", "deepspeed"])
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--save-at", type=int, default=3)
     parser.add_argument("--mixed-precision", default="no", choices=["no", "bf16"])

@@ -119,8 +119,9 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("DeepSpeed adapters", ("zero3.compat", "zero3.checkpointing", "zero3.accelerator", "zero3.comm", "zero3.utils", "zero3.runtime",
                             "zero3.ops", "zero3.zero", "zero3.moe", "zero3.compression", "zero3.sequence")),
     ("engine", ("zero3.engine",)),
-    ("entry points", ("zero3.api", "zero3.cli", "zero3")),
+    ("entry points", ("zero3.api", "zero3")),
     ("hf", ("zero3.hf",)),
+    ("command line", ("zero3.cli",)),  # above the hf adapters: `zero3 launch` is one of its commands
 ]
 # The checkpoint format is read and written without an engine (the command line, the
 # DeepSpeed import): these modules may import only each other and the shard layout rule.

@@ -412,10 +412,18 @@ def _parser() -> argparse.ArgumentParser:
                         "what the checkpoint's recorded config builds, else torch")
     p.add_argument("--tag", help="the zero3 tag to export (default: what a tag-less load would pick)")
     _estimate_parser(commands)
+    commands.add_parser("launch", add_help=False,
+                        help="accelerate launch for an Accelerate DeepSpeed yaml, DeepSpeed not installed "
+                             "(zero3 launch --config_file ds.yaml train.py; needs the hf extra)")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["launch"]:  # Accelerate's launcher flags, parsed by Accelerate (the hf extra)
+        from zero3.hf.launch import main as launch
+
+        return launch(argv[1:])
     args = _parser().parse_args(argv)
     if args.command == "estimate":
         try:

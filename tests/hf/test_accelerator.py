@@ -121,3 +121,32 @@ def test_errors_on_every_rank(flow):
         assert "zero3_config=" in seen["errors"]["no_config"]
         assert "in the DeepSpeed config and in the code" in seen["errors"]["twice"]
         assert "second Accelerator" in seen["errors"]["second"]
+
+
+def test_zero3_launch_with_an_accelerate_deepspeed_yaml(tmp_path):
+    """`zero3 launch --config_file ds.yaml` (Accelerate's flags and yaml; DeepSpeed not
+    installed) starts 2 CPU ranks whose `Accelerator()` takes the yaml's DeepSpeed JSON: the
+    loop trains with the JSON's accumulation (2: 12 micro-batches for 6 steps) and resumes
+    exactly."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from harness import free_port
+
+    (tmp_path / "ds.json").write_text(json.dumps({**L.DS_CONFIG, "gradient_accumulation_steps": 2}))
+    (tmp_path / "ds.yaml").write_text(
+        "compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\ndeepspeed_config:\n"
+        f"  deepspeed_config_file: {tmp_path / 'ds.json'}\n  zero3_init_flag: false\nnum_processes: 2\n"
+        f"num_machines: 1\nmachine_rank: 0\nmain_process_ip: 127.0.0.1\nmain_process_port: {free_port()}\n"
+        "use_cpu: true\n")
+    out = tmp_path / "losses.json"
+    done = subprocess.run([sys.executable, "-m", "zero3.cli", "launch", "--config_file", str(tmp_path / "ds.yaml"),
+                           str(ROOT / "examples" / "accelerate_loop.py"), "--dir", str(tmp_path), "--engine",
+                           "zero3_launched", "--out", str(out)], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, **ENV, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "after the resume the same" in done.stdout, done.stdout[-2000:]
+    seen = json.loads(out.read_text())
+    assert len(seen["losses"]) == STEPS * 2 and len(seen["norms"]) == STEPS

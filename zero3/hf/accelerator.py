@@ -82,8 +82,15 @@ class Accelerator(accelerate.Accelerator):
         if isinstance(configured, int) and "gradient_accumulation_steps" not in kwargs \
                 and "gradient_accumulation_plugin" not in kwargs:
             kwargs["gradient_accumulation_steps"] = configured
+        launched = os.environ.get("ACCELERATE_USE_DEEPSPEED")
         os.environ["ACCELERATE_USE_DEEPSPEED"] = "false"  # Accelerate's own DeepSpeed path stays off
-        super().__init__(*args, **kwargs)
+        try:
+            super().__init__(*args, **kwargs)
+        finally:  # a later Accelerator in this process reads the launcher's settings again
+            if launched is None:
+                del os.environ["ACCELERATE_USE_DEEPSPEED"]
+            else:
+                os.environ["ACCELERATE_USE_DEEPSPEED"] = launched
         plugin.set_mixed_precision(str(mixed))
         self.zero3_plugin = plugin
         self.zero3_mixed_precision = str(mixed)
