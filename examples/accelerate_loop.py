@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -56,33 +57,43 @@ def dataset(count: int) -> list[dict[str, torch.Tensor]]:
     return rows
 
 
-def make_accelerator(engine: str, mixed_precision: str) -> Any:
+def make_accelerator(engine: str, mixed_precision: str, accelerate_cpu: bool | None = None) -> Any:
+    """accelerate_cpu (default: on a machine without CUDA) is Accelerator(cpu=...): with it,
+    Accelerate forms its multi-process CPU setup and shards the loaders; without it on a CPU
+    machine its state is one process (how Accelerate 1.16 runs DeepSpeed's CPU accelerator:
+    every rank reads every batch) while the engine still spans the ranks."""
+    cpu = (not torch.cuda.is_available()) if accelerate_cpu is None else accelerate_cpu
     if engine == "deepspeed":
         from accelerate import Accelerator
+        from accelerate.state import AcceleratorState
         from accelerate.utils import DeepSpeedPlugin
+
+        if AcceleratorState._shared_state:  # a second Accelerator shares the first one's plugin
+            return Accelerator(gradient_accumulation_steps=ACCUMULATION)
+        if cpu and not torch.cuda.is_available():
+            raise SystemExit("Accelerate runs DeepSpeed only without cpu=True; pass --no-accelerate-cpu")
 
         plugin = DeepSpeedPlugin(hf_ds_config=json.loads(json.dumps(DS_CONFIG)))
         return Accelerator(deepspeed_plugin=plugin, gradient_accumulation_steps=ACCUMULATION,
-                           mixed_precision=mixed_precision, cpu=not torch.cuda.is_available())
+                           mixed_precision=mixed_precision)  # on a CPU machine DeepSpeed runs on its CPU accelerator
     from zero3.hf import Accelerator
 
     if engine == "zero3_launched":  # the DeepSpeed settings from `zero3 launch --config_file ds.yaml`
-        return Accelerator(gradient_accumulation_steps=ACCUMULATION, mixed_precision=mixed_precision,
-                           cpu=not torch.cuda.is_available())
+        return Accelerator(gradient_accumulation_steps=ACCUMULATION, mixed_precision=mixed_precision, cpu=cpu)
     # cpu=True: Accelerate forms its multi-process CPU setup (gloo) only when told to run on the CPU
     return Accelerator(zero3_config=json.loads(json.dumps(DS_CONFIG)), gradient_accumulation_steps=ACCUMULATION,
-                       mixed_precision=mixed_precision, cpu=not torch.cuda.is_available())
+                       mixed_precision=mixed_precision, cpu=cpu)
 
 
 def train(engine: str, folder: str, steps: int, first: int, resume_from: str | None = None,
-          save_at: int | None = None, mixed_precision: str = "no") -> dict[str, Any]:
+          save_at: int | None = None, mixed_precision: str = "no", accelerate_cpu: bool | None = None) -> dict[str, Any]:
     """Optimizer steps `first`..`steps` of the loop (from the state in `resume_from` when
     given), saving the state into `folder/state` after `save_at` steps. Returns the losses
     of every micro-batch, the learning rates, the clipped norms and what the Accelerator
     reported about skipped steps."""
     from transformers import get_linear_schedule_with_warmup
 
-    accelerator = make_accelerator(engine, mixed_precision)
+    accelerator = make_accelerator(engine, mixed_precision, accelerate_cpu)
     model = build_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     loader = torch.utils.data.DataLoader(dataset(steps * ACCUMULATION * MICRO * accelerator.num_processes),
@@ -130,13 +141,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--save-at", type=int, default=3)
     parser.add_argument("--mixed-precision", default="no", choices=["no", "bf16"])
+    parser.add_argument("--no-accelerate-cpu", dest="accelerate_cpu", action="store_false", default=None,
+                        help="Accelerator(cpu=False) on a CPU machine (see make_accelerator)")
     parser.add_argument("--out", default=None, help="write the losses as JSON here (rank 0)")
     args = parser.parse_args()
-    straight = train(args.engine, args.dir, args.steps, 0, save_at=args.save_at, mixed_precision=args.mixed_precision)
+    common = {"mixed_precision": args.mixed_precision, "accelerate_cpu": args.accelerate_cpu}
+    straight = train(args.engine, args.dir, args.steps, 0, save_at=args.save_at, **common)
     resumed = train(args.engine, args.dir, args.steps, args.save_at, resume_from=str(Path(args.dir) / "state"),
-                    mixed_precision=args.mixed_precision)
+                    **common)
     tail = straight["losses"][args.save_at * ACCUMULATION:]
-    if straight["state"] is not None:  # rank 0
+    if int(os.environ.get("RANK", "0")) == 0:
         print(f"losses {['%.6f' % x for x in straight['losses']]}")
         print(f"after the resume {'the same' if resumed['losses'] == tail else 'DIFFERENT'}: "
               f"{['%.6f' % x for x in resumed['losses']]}")

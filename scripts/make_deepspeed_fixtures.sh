@@ -29,6 +29,11 @@
 # (tests/hf/test_hf_trainer_export.py). `python tests/fixtures/deepspeed/hf_trainer_export.py`
 # (zero3's Python) rewrites the zero3 checkpoint first, when wanted.
 #
+# --accelerate-loop: examples/accelerate_loop.py under DeepSpeed through Accelerate
+# (`accelerate.Accelerator(deepspeed_plugin=...)`) on 2 gloo ranks, its losses, learning rates
+# and gradient norms into tests/fixtures/deepspeed/accelerate_loop_w2/deepspeed_result.json
+# (tests/hf/test_accelerator.py runs zero3.hf.Accelerator on the same loop against them).
+#
 # wide_fp32_w2_nvme is saved with offload_optimizer "nvme": DeepSpeed's async_io op is JIT-built
 # (ninja, g++) against libaio. Where the system has no libaio headers, the Debian packages are
 # fetched with `apt-get download` (no root, nothing installed) and unpacked with `dpkg -x` into
@@ -110,6 +115,15 @@ if [ "${1:-}" = "--check-trainer-export" ]; then
         "$SCRATCH/exported/checkpoint-2" "$SCRATCH/deepspeed"
     PYTHONPATH="$ROOT" OMP_NUM_THREADS=1 ZERO3_ACCELERATOR=cpu HF_HUB_OFFLINE=1 \
         "$ZPY" -m pytest -q -p no:cacheprovider tests/hf/test_hf_trainer_export.py
+    exit $?
+fi
+if [ "${1:-}" = "--accelerate-loop" ]; then
+    SCRATCH="$(mktemp -d)"
+    trap 'rm -rf "$SCRATCH"' EXIT
+    DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 PYTHONWARNINGS=ignore HF_HUB_OFFLINE=1 \
+        "$VENV/bin/python" -m torch.distributed.run --standalone --nproc_per_node=2 examples/accelerate_loop.py \
+        --engine deepspeed --no-accelerate-cpu --dir "$SCRATCH" \
+        --out tests/fixtures/deepspeed/accelerate_loop_w2/deepspeed_result.json
     exit $?
 fi
 libaio_env

@@ -8,7 +8,9 @@ ranks, in a venv without DeepSpeed, one launch:
 - `get_state_dict` gives whole tensors on rank 0 only, `save_model` writes them for
   `from_pretrained`, `unwrap_model` gives the user's module;
 - errors on every rank: no config, an optimizer in the config and in the code, a second
-  trained model.
+  trained model;
+- `zero3 launch` with an Accelerate DeepSpeed yaml; the loop's losses equal DeepSpeed's
+  through Accelerate (a fixture DeepSpeed wrote).
 """
 
 from __future__ import annotations
@@ -150,3 +152,25 @@ def test_zero3_launch_with_an_accelerate_deepspeed_yaml(tmp_path):
     assert "after the resume the same" in done.stdout, done.stdout[-2000:]
     seen = json.loads(out.read_text())
     assert len(seen["losses"]) == STEPS * 2 and len(seen["norms"]) == STEPS
+
+
+def loop_as_deepspeed_runs_it(rank: int, world: int, folder: str) -> dict:
+    import os
+
+    os.environ.update(ENV)
+    return L.train("zero3", folder, STEPS, 0, accelerate_cpu=False)
+
+
+def test_the_loop_gives_deepspeeds_losses_through_accelerate(tmp_path):
+    """The same loop under DeepSpeed 0.19.8 through accelerate.Accelerator (recorded by
+    `scripts/make_deepspeed_fixtures.sh --accelerate-loop` in DeepSpeed's own venv): on a CPU
+    machine Accelerate runs DeepSpeed with its state at one process (cpu=False), so zero3 runs
+    the loop the same way here. Losses and learning rates bit for bit, gradient norms to 1e-6."""
+    import json
+
+    expected = json.loads((ROOT / "tests" / "fixtures" / "deepspeed" / "accelerate_loop_w2" /
+                           "deepspeed_result.json").read_text())
+    seen = run_ranks(loop_as_deepspeed_runs_it, 2, str(tmp_path), timeout=600)[0]
+    assert seen["losses"] == expected["losses"]
+    assert seen["lrs"] == expected["lrs"]
+    assert seen["norms"] == pytest.approx(expected["norms"], rel=1e-6, abs=1e-7)
