@@ -174,3 +174,72 @@ def test_the_loop_gives_deepspeeds_losses_through_accelerate(tmp_path):
     assert seen["losses"] == expected["losses"]
     assert seen["lrs"] == expected["lrs"]
     assert seen["norms"] == pytest.approx(expected["norms"], rel=1e-6, abs=1e-7)
+
+
+def _short_loop(prebuilt: bool) -> list[float]:
+    import zero3
+    from zero3.hf import Accelerator
+
+    config = {**L.DS_CONFIG, "train_micro_batch_size_per_gpu": L.MICRO, "gradient_accumulation_steps": L.ACCUMULATION,
+              "gradient_clipping": 1.0, "zero_optimization": {"stage": 3}}
+    accelerator = Accelerator(zero3_config=config, cpu=True, gradient_accumulation_steps=L.ACCUMULATION)
+    model = L.build_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    if prebuilt:  # what a script written for deepspeed.initialize hands to prepare
+        model, optimizer, _, _ = zero3.initialize(model=model, optimizer=optimizer, config=config)
+    loader = torch.utils.data.DataLoader(L.dataset(3 * L.ACCUMULATION * L.MICRO * 2), batch_size=L.MICRO)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    losses = []
+    for batch in loader:
+        with accelerator.accumulate(model):
+            loss = model(**batch).loss
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+        losses.append(loss.item())
+    accelerator.free_memory()
+    return losses
+
+
+def prebuilt_engine(rank: int, world: int) -> tuple[list[float], list[float]]:
+    return _short_loop(prebuilt=False), _short_loop(prebuilt=True)
+
+
+def test_an_engine_from_initialize_handed_to_prepare_trains_as_one_prepare_builds():
+    for built_by_prepare, handed_over in run_ranks(prebuilt_engine, 2):
+        assert len(handed_over) == 3 * L.ACCUMULATION
+        assert handed_over == built_by_prepare
+
+
+def overflowing_fp16(rank: int, world: int) -> dict:
+    """fp16 with a loss scale of 2**40: the first updates overflow and are skipped."""
+    from transformers import get_constant_schedule_with_warmup
+
+    from zero3.hf import Accelerator
+
+    config = {**L.DS_CONFIG, "fp16": {"enabled": "auto", "initial_scale_power": 40}}
+    accelerator = Accelerator(zero3_config=config, cpu=True, mixed_precision="fp16", gradient_accumulation_steps=1)
+    model = L.build_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scheduler = get_constant_schedule_with_warmup(optimizer, num_warmup_steps=10)
+    loader = torch.utils.data.DataLoader(L.dataset(4 * L.MICRO * 2), batch_size=L.MICRO)
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    seen = {"skipped": [], "optimizer_skipped": [], "lrs": [], "precision": accelerator.mixed_precision}
+    for batch in loader:
+        with accelerator.accumulate(model):
+            accelerator.backward(model(**batch).loss)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+        seen["skipped"].append(accelerator.optimizer_step_was_skipped)
+        seen["optimizer_skipped"].append(optimizer.step_was_skipped)
+        seen["lrs"].append(scheduler.get_last_lr()[0])
+    accelerator.free_memory()
+    return seen
+
+
+def test_an_overflow_is_a_skipped_step_and_the_scheduler_waits():
+    for seen in run_ranks(overflowing_fp16, 2):
+        assert seen["precision"] == "fp16"
+        assert seen["skipped"] == [True] * 4 and seen["optimizer_skipped"] == [True] * 4
+        assert seen["lrs"] == [0.0] * 4  # Accelerate steps no scheduler after a skipped update

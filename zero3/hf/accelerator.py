@@ -129,6 +129,9 @@ class Accelerator(accelerate.Accelerator):
         model = next(obj for obj in args if isinstance(obj, nn.Module))
         optimizer = next((obj for obj in args if isinstance(obj, (torch.optim.Optimizer, DummyOptim))), None)
         scheduler = next((obj for obj in args if _is_scheduler(obj)), None)
+        if isinstance(model, Engine):  # built by zero3.initialize already: adopted with what it owns
+            self._zero3_adopt(model, result, args, optimizer, scheduler)
+            return
         config = self._zero3_fill(model, optimizer, scheduler, batch_sizes)
         client_scheduler = None
         if isinstance(scheduler, DummyScheduler):
@@ -158,17 +161,46 @@ class Accelerator(accelerate.Accelerator):
                 result[i] = wrapped_optimizer
             elif obj is scheduler:
                 result[i] = wrapped_scheduler
+        self._zero3_register(engine, wrapped_optimizer)
+        if isinstance(wrapped_scheduler, AcceleratedScheduler) and \
+                not isinstance(wrapped_scheduler, DeepSpeedSchedulerWrapper):
+            self._schedulers.append(wrapped_scheduler)  # a torch scheduler: Accelerate saves it
+
+    def _zero3_adopt(self, engine: Engine, result: list, args: tuple, optimizer: Any, scheduler: Any) -> None:
+        """An engine from `zero3.initialize` (what `deepspeed.initialize` returns, handed to
+        prepare as Accelerate's DeepSpeed path allows): its optimizer and scheduler are the
+        ones initialize returned; its config's accumulation steps become the Accelerator's."""
+        inner = engine.optimizer.optimizer if engine.optimizer is not None else None
+        if optimizer is not None and optimizer is not inner and optimizer is not engine.optimizer:
+            raise Zero3AcceleratorError(
+                "prepare() got a zero3 engine and an optimizer it does not step; pass the optimizer "
+                "zero3.initialize returned (or none)")
+        if scheduler is not None and scheduler is not engine.lr_scheduler:
+            raise Zero3AcceleratorError(
+                "prepare() got a zero3 engine and a scheduler it does not step; give the scheduler to "
+                "zero3.initialize(lr_scheduler=...) and pass the one it returned (or none)")
+        accumulation = engine.gradient_accumulation_steps()
+        if accumulation != self.gradient_accumulation_steps:
+            warnings.warn(f"gradient accumulation: the Accelerator has {self.gradient_accumulation_steps}, the "
+                          f"engine's config {accumulation}; using the engine's (as Accelerate does)", UserWarning)
+            self.gradient_accumulation_steps = accumulation
+        wrapped_optimizer = DeepSpeedOptimizerWrapper(engine.optimizer) if engine.optimizer is not None else None
+        wrapped_scheduler = DeepSpeedSchedulerWrapper(engine.lr_scheduler, wrapped_optimizer) \
+            if engine.lr_scheduler is not None else None
+        self._zero3_register(engine, wrapped_optimizer)
+        for i, obj in enumerate(args):
+            result[i] = {id(engine): engine, id(optimizer): wrapped_optimizer,
+                         id(scheduler): wrapped_scheduler}.get(id(obj), result[i])
+
+    def _zero3_register(self, engine: Engine, wrapped_optimizer: Any) -> None:
         self.zero3_engines.append(engine)
-        if engine_optimizer is not None:
+        if wrapped_optimizer is not None:
             if self.zero3_engine is not None:
                 raise Zero3AcceleratorError(
                     "a second model with an optimizer was prepared; accelerator.backward() drives one engine. "
                     "Use a second Accelerator for the second model, as Accelerate's DeepSpeed path asks")
             self.zero3_engine = engine
             self.zero3_optimizers.append(wrapped_optimizer)  # saved by the engine, not by Accelerate
-        if isinstance(wrapped_scheduler, AcceleratedScheduler) and \
-                not isinstance(wrapped_scheduler, DeepSpeedSchedulerWrapper):
-            self._schedulers.append(wrapped_scheduler)  # a torch scheduler: Accelerate saves it
 
     def _zero3_fill(self, model: nn.Module, optimizer: Any, scheduler: Any, batch_sizes: list[int | None]) -> dict:
         """The DeepSpeed config with Accelerate's "auto" values (its _prepare_deepspeed rules)."""
