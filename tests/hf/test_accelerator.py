@@ -243,3 +243,40 @@ def test_an_overflow_is_a_skipped_step_and_the_scheduler_waits():
         assert seen["precision"] == "fp16"
         assert seen["skipped"] == [True] * 4 and seen["optimizer_skipped"] == [True] * 4
         assert seen["lrs"] == [0.0] * 4  # Accelerate steps no scheduler after a skipped update
+
+
+def automatic_naming(rank: int, world: int, folder: str) -> dict:
+    """Accelerate's ProjectConfiguration: save_state() names checkpoint_<n> folders, keeps
+    total_limit of them, and load_state() with no folder takes the newest."""
+    import os
+
+    from accelerate.utils import ProjectConfiguration
+
+    from zero3.hf import Accelerator
+
+    project = ProjectConfiguration(project_dir=folder, automatic_checkpoint_naming=True, total_limit=2)
+    accelerator = Accelerator(zero3_config={**L.DS_CONFIG, "train_micro_batch_size_per_gpu": 2}, cpu=True,
+                              project_config=project)
+    model = L.build_model()
+    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    batch = L.dataset(2)
+    inputs = {k: torch.stack([row[k] for row in batch]) for k in batch[0]}
+    steps = []
+    for _ in range(3):
+        accelerator.backward(model(**inputs).loss)
+        accelerator.save_state()
+        steps.append(model.global_steps)
+    accelerator.backward(model(**inputs).loss)  # a fourth update, then back to the third's state
+    accelerator.load_state()
+    seen = {"steps": steps, "after_load": model.global_steps,
+            "folders": sorted(os.listdir(os.path.join(folder, "checkpoints")))}
+    accelerator.free_memory()
+    return seen
+
+
+def test_automatic_checkpoint_naming(tmp_path):
+    for seen in run_ranks(automatic_naming, 2, str(tmp_path)):
+        assert seen["steps"] == [1, 2, 3]
+        assert seen["folders"] == ["checkpoint_1", "checkpoint_2"]
+        assert seen["after_load"] == 3
+    assert (tmp_path / "checkpoints" / "checkpoint_2" / "pytorch_model").is_dir()
