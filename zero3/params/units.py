@@ -30,6 +30,7 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import nn
 
+from zero3.config import LeafModuleConfig
 from zero3.params.fetch_unit import FetchUnit
 from zero3.params.ownership import is_managed
 from zero3.params.partition import ShardedParam
@@ -300,6 +301,23 @@ def persistent_indices(numels: list[int], param_threshold: int, model_threshold:
 
 
 # ------------------------------------------------------------------------ units
+def chosen_leaves(root: nn.Module, granularity_threshold: int, leaf_module=None) -> set[int]:
+    """ids of the modules gathered whole: those declared (set_z3_leaf_modules, the config's
+    leaf_module, the granularity threshold); when the only ones declared are of DeepSpeed's
+    default MoE classes (Mixtral's sparse MoE block and the like, which the default
+    leaf_module names), the blocks of `block_leaves` with those MoE modules inside their
+    block's unit, and any outside a block on their own; with nothing declared, the blocks."""
+    declared = {id(m): m for m in get_z3_leaf_modules(root)}
+    declared.update((id(m), m) for m in config_leaves(root, leaf_module))
+    declared.update((id(m), m) for m in threshold_leaves(root, granularity_threshold))
+    default_moe = {id(m) for m in config_leaves(root, LeafModuleConfig())}
+    if any(key not in default_moe for key in declared):
+        return set(declared)
+    blocks = block_leaves(root)
+    inside = {id(m) for block in blocks for m in block.modules()}
+    return {id(b) for b in blocks} | {key for key in declared if key not in inside}
+
+
 def build_units(
     root: nn.Module,
     table: dict[nn.Parameter, ShardedParam],
@@ -311,11 +329,7 @@ def build_units(
     `leaf_module` is the config's LeafModuleConfig (zero_optimization.leaf_module), or
     None. Leaves come from set_z3_leaf_modules, from it, and from the threshold.
     """
-    leaves = {id(m) for m in get_z3_leaf_modules(root)}
-    leaves |= {id(m) for m in config_leaves(root, leaf_module)}
-    leaves |= {id(m) for m in threshold_leaves(root, granularity_threshold)}
-    if not leaves:
-        leaves = {id(m) for m in block_leaves(root)}
+    leaves = chosen_leaves(root, granularity_threshold, leaf_module)
     claimed: set[int] = set()
     visited: set[int] = set()
     units: list[FetchUnit] = []
