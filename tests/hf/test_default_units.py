@@ -40,19 +40,18 @@ def units_of(rank: int, world: int) -> dict:
     import zero3
     from zero3.utils import set_z3_leaf_modules
 
-    seen = {}
-    model = _model("mixtral")
-    set_z3_leaf_modules(model, [transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock])
-    engine, *_ = zero3.initialize(model=model, config={"train_micro_batch_size_per_gpu": 1,
-                                                       "zero_optimization": {"stage": 3}})
-    seen["mixtral_declared"] = [u.name for u in engine.units if u.leaf]
-    engine.destroy()
-    model = _model("llama")
-    set_z3_leaf_modules(model, [transformers.models.llama.modeling_llama.LlamaMLP])
-    engine, *_ = zero3.initialize(model=model, config={"train_micro_batch_size_per_gpu": 1,
-                                                       "zero_optimization": {"stage": 3}})
-    seen["llama_mlp_declared"] = [u.name for u in engine.units if u.leaf]
-    engine.destroy()
+    def declared_leaf_units(kind: str, leaf_class: type) -> list[str]:
+        model = _model(kind)
+        set_z3_leaf_modules(model, [leaf_class])
+        engine, *_ = zero3.initialize(model=model, config={"train_micro_batch_size_per_gpu": 1,
+                                                           "zero_optimization": {"stage": 3}})
+        names = [u.name for u in engine.units if u.leaf]
+        engine.destroy()
+        return names
+
+    seen = {"mixtral_declared": declared_leaf_units(
+                "mixtral", transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock),
+            "llama_mlp_declared": declared_leaf_units("llama", transformers.models.llama.modeling_llama.LlamaMLP)}
     for kind in ("llama", "qwen2", "mixtral"):
         model = _model(kind)
         engine, *_ = zero3.initialize(model=model, config={"train_micro_batch_size_per_gpu": 1,

@@ -6,7 +6,7 @@ import contextlib
 import time
 from collections import defaultdict
 
-import torch
+from zero3.platform.device import synchronize_cuda
 
 
 class StepTimers:
@@ -31,14 +31,12 @@ class StepTimers:
         if not self.enabled:
             yield
             return
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.synchronize()
+        synchronize_cuda()
         start = time.perf_counter()
         try:
             yield
         finally:
-            if torch.cuda.is_available() and torch.cuda.is_initialized():
-                torch.cuda.synchronize()
+            synchronize_cuda()
             elapsed = time.perf_counter() - start
             self.totals[phase] += elapsed
             self.window[phase] += elapsed
@@ -82,8 +80,8 @@ class ThroughputTimer:
         self.epoch_count += 1
 
     def _now(self) -> float:
-        if self.synchronized and torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.synchronize()
+        if self.synchronized:
+            synchronize_cuda()
         return time.time()
 
     def start(self) -> None:

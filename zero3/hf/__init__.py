@@ -20,5 +20,5 @@ from zero3.hf.trainer import trainer_class
 
 Trainer = trainer_class(transformers.Trainer)
 
-__all__ = ["Accelerator", "ConfigFillError", "Trainer", "Zero3AcceleratorError", "UnsupportedOptionError", "fill_from_arguments", "fill_from_model",
-           "trainer_class"]
+__all__ = ["Accelerator", "ConfigFillError", "Trainer", "UnsupportedOptionError", "Zero3AcceleratorError",
+           "fill_from_arguments", "fill_from_model", "trainer_class"]

@@ -154,17 +154,10 @@ class Accelerator(accelerate.Accelerator):
                                                      split_batches=self.split_batches)
         elif engine_scheduler is not None:
             wrapped_scheduler = DeepSpeedSchedulerWrapper(engine_scheduler, wrapped_optimizer)
-        for i, obj in enumerate(args):
-            if obj is model:
-                result[i] = engine
-            elif obj is optimizer:
-                result[i] = wrapped_optimizer
-            elif obj is scheduler:
-                result[i] = wrapped_scheduler
         self._zero3_register(engine, wrapped_optimizer)
-        if isinstance(wrapped_scheduler, AcceleratedScheduler) and \
-                not isinstance(wrapped_scheduler, DeepSpeedSchedulerWrapper):
-            self._schedulers.append(wrapped_scheduler)  # a torch scheduler: Accelerate saves it
+        if scheduler is not None and engine_scheduler is None:
+            self._schedulers.append(wrapped_scheduler)  # the loop's torch scheduler: Accelerate saves it
+        _substitute(result, args, [(model, engine), (optimizer, wrapped_optimizer), (scheduler, wrapped_scheduler)])
 
     def _zero3_adopt(self, engine: Engine, result: list, args: tuple, optimizer: Any, scheduler: Any) -> None:
         """An engine from `zero3.initialize` (what `deepspeed.initialize` returns, handed to
@@ -188,9 +181,7 @@ class Accelerator(accelerate.Accelerator):
         wrapped_scheduler = DeepSpeedSchedulerWrapper(engine.lr_scheduler, wrapped_optimizer) \
             if engine.lr_scheduler is not None else None
         self._zero3_register(engine, wrapped_optimizer)
-        for i, obj in enumerate(args):
-            result[i] = {id(engine): engine, id(optimizer): wrapped_optimizer,
-                         id(scheduler): wrapped_scheduler}.get(id(obj), result[i])
+        _substitute(result, args, [(optimizer, wrapped_optimizer), (scheduler, wrapped_scheduler)])
 
     def _zero3_register(self, engine: Engine, wrapped_optimizer: Any) -> None:
         self.zero3_engines.append(engine)
@@ -322,6 +313,14 @@ class Accelerator(accelerate.Accelerator):
     @property
     def optimizer_step_was_skipped(self) -> bool:
         return any(opt.step_was_skipped for opt in [*self._optimizers, *self.zero3_optimizers])
+
+
+def _substitute(result: list, args: tuple, replacements: list[tuple[Any, Any]]) -> None:
+    """In `result`, at each position of `args` holding one of the originals, its replacement."""
+    for original, replacement in replacements:
+        for i, obj in enumerate(args):
+            if original is not None and obj is original:
+                result[i] = replacement
 
 
 def _engine_part(obj: Any) -> bool:

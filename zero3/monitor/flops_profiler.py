@@ -36,6 +36,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from zero3.config import FlopsProfilerConfig
+from zero3.platform.device import synchronize_cuda
 
 _WIDTH = 70  # DeepSpeed's label column
 
@@ -52,11 +53,6 @@ def number_to_string(value: float, precision: int = 2) -> str:
 
 def params_to_string(count: float) -> str:
     return number_to_string(count).replace("G", "B").strip()
-
-
-def _synchronize() -> None:
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
 
 
 @dataclass
@@ -189,12 +185,12 @@ class FlopsProfiler:
 
 
 def _timed_start() -> float:
-    _synchronize()
+    synchronize_cuda()
     return time.perf_counter()
 
 
 def _timed_end(began: float) -> float:
-    _synchronize()
+    synchronize_cuda()
     return time.perf_counter() - began
 
 

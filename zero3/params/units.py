@@ -307,12 +307,12 @@ def chosen_leaves(root: nn.Module, granularity_threshold: int, leaf_module=None)
     default MoE classes (Mixtral's sparse MoE block and the like, which the default
     leaf_module names), the blocks of `block_leaves` with those MoE modules inside their
     block's unit, and any outside a block on their own; with nothing declared, the blocks."""
-    declared = {id(m): m for m in get_z3_leaf_modules(root)}
-    declared.update((id(m), m) for m in config_leaves(root, leaf_module))
-    declared.update((id(m), m) for m in threshold_leaves(root, granularity_threshold))
+    declared = {id(m) for m in get_z3_leaf_modules(root)}
+    declared |= {id(m) for m in config_leaves(root, leaf_module)}
+    declared |= {id(m) for m in threshold_leaves(root, granularity_threshold)}
     default_moe = {id(m) for m in config_leaves(root, LeafModuleConfig())}
-    if any(key not in default_moe for key in declared):
-        return set(declared)
+    if declared - default_moe:
+        return declared
     blocks = block_leaves(root)
     inside = {id(m) for block in blocks for m in block.modules()}
     return {id(b) for b in blocks} | {key for key in declared if key not in inside}

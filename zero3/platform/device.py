@@ -26,6 +26,13 @@ import os
 import torch
 
 
+def synchronize_cuda() -> None:
+    """Wait for the current CUDA device's queued work, when CUDA is in use (a wall-clock
+    reading around device work needs it); nothing on a CPU-only run."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def local_rank() -> int:
     """This process's index on its node: torchrun's LOCAL_RANK (0 without it)."""
     return int(os.environ.get("LOCAL_RANK", "0"))
